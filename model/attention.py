@@ -1,0 +1,99 @@
+"""Multi-head latent attention (MLA), in the naive and the weight-absorbed form.
+
+Both forms read the same latent cache (c_kv after its norm, and rotated k_pe). The naive form
+expands the latent into per-head keys and values; the absorbed form folds kv_b_proj into the query
+and the output instead, so decode never materializes per-head keys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .config import ModelArgs
+from .kv_cache import LatentCache
+from .linear import Linear
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+AttnImpl = Literal["auto", "naive", "absorbed"]
+
+
+def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """[T, S] additive mask for queries at positions S-T..S-1 over keys 0..S-1."""
+    q_pos = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
+    k_pos = torch.arange(n_keys, device=device)[None, :]
+    return torch.zeros(n_queries, n_keys, device=device).masked_fill_(k_pos > q_pos, float("-inf"))
+
+
+class MLA(nn.Module):
+    def __init__(self, args: ModelArgs, n_heads: int | None = None) -> None:
+        super().__init__()
+        self.n_heads = args.num_attention_heads if n_heads is None else n_heads
+        self.nope_dim = args.qk_nope_head_dim
+        self.rope_dim = args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
+        self.kv_rank = args.kv_lora_rank
+        self.scale = args.softmax_scale
+        q_out = self.n_heads * args.qk_head_dim
+        if args.q_lora_rank:
+            self.q_a_proj = Linear(args.hidden_size, args.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+            self.q_b_proj = Linear(args.q_lora_rank, q_out)
+        else:
+            self.q_proj = Linear(args.hidden_size, q_out)
+        self.kv_a_proj_with_mqa = Linear(args.hidden_size, args.kv_lora_rank + args.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
+        self.kv_b_proj = Linear(args.kv_lora_rank, self.n_heads * (args.qk_nope_head_dim + args.v_head_dim))
+        self.o_proj = Linear(self.n_heads * args.v_head_dim, args.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        start_pos: int = 0,
+        cache: LatentCache | None = None,
+        layer: int = 0,
+        impl: AttnImpl = "auto",
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q = q.view(b, t, self.n_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = rope.apply(q_pe, *cos_sin, per_head=True)
+        kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
+        kv = self.kv_a_layernorm(kv)
+        k_pe = rope.apply(k_pe, *cos_sin)
+        if cache is not None:
+            kv, k_pe = cache.write(layer, start_pos, kv, k_pe)
+        mask = causal_mask(t, kv.shape[1], x.device) if t > 1 else None
+        absorbed = impl == "absorbed" or (impl == "auto" and t == 1)
+        attend = self._absorbed if absorbed else self._naive
+        out = attend(q_nope, q_pe, kv, k_pe, mask)
+        return self.o_proj(out.flatten(2))
+
+    def _naive(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
+        s = kv.shape[1]
+        kv = self.kv_b_proj(kv).view(kv.shape[0], s, self.n_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        scores = torch.einsum("bthd,bshd->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        probs = self._softmax(scores, mask).to(v.dtype)
+        return torch.einsum("bhts,bshd->bthd", probs, v)
+
+    def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
+        w = self.kv_b_proj.dense_weight(kv.dtype).view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        q_latent = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
+        scores = torch.einsum("bthc,bsc->bhts", q_latent, kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        probs = self._softmax(scores, mask).to(kv.dtype)
+        out_latent = torch.einsum("bhts,bsc->bthc", probs, kv)
+        return torch.einsum("bthc,hdc->bthd", out_latent, w_uv)
+
+    def _softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        scores = scores.float() * self.scale
+        if mask is not None:
+            scores = scores + mask
+        return scores.softmax(dim=-1)

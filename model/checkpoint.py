@@ -1,0 +1,105 @@
+"""Lazy reading of Hugging Face safetensors checkpoints, by tensor name and slice.
+
+A directory holds `model.safetensors`, or several shards listed in `model.safetensors.index.json`.
+Nothing is read until asked for, and a slice reads only its own bytes: this is what lets every rank
+of a sharded deployment load just the part of each tensor it owns.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read; the message names the file or tensor at fault."""
+
+
+class CheckpointReader:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise CheckpointError(f"checkpoint directory {self.path} does not exist")
+        self._handles: dict[str, object] = {}
+        self.weight_map = self._weight_map()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index} is not a valid safetensors index ({e!r})") from e
+            missing = sorted({f for f in weight_map.values() if not (self.path / f).exists()})
+            if missing:
+                example = next(n for n, f in weight_map.items() if f == missing[0])
+                raise CheckpointError(
+                    f"{self.path}: shard file(s) {', '.join(missing)} listed in {INDEX_FILE} are missing "
+                    f"(they hold e.g. {example}); copy or re-download them"
+                )
+            return dict(weight_map)
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.path} holds no *.safetensors files and no {INDEX_FILE}")
+        weight_map: dict[str, str] = {}
+        for f in files:
+            for name in self._open(f.name).keys():
+                weight_map[name] = f.name
+        return weight_map
+
+    def _open(self, file: str):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(self.path / file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{self.path / file} is not a readable safetensors file ({e})") from e
+        return self._handles[file]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def file_of(self, name: str) -> Path:
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name} is not in the checkpoint at {self.path}")
+        return self.path / self.weight_map[name]
+
+    def _slice(self, name: str):
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"tensor {name} is not in the checkpoint at {self.path}")
+        try:
+            return self._open(file).get_slice(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.path / file}: cannot read tensor {name} ({e})") from e
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def is_fp8(self, name: str) -> bool:
+        return self._slice(name).get_dtype() == "F8_E4M3"
+
+    def read(
+        self,
+        name: str,
+        dtype: torch.dtype | None = None,
+        dim: int = 0,
+        start: int | None = None,
+        end: int | None = None,
+    ) -> torch.Tensor:
+        """Tensor `name`, optionally only rows [start, end) along `dim`, converted to `dtype`."""
+        sl = self._slice(name)
+        rank = len(sl.get_shape())
+        index = tuple(slice(start, end) if d == dim else slice(None) for d in range(rank))
+        try:
+            t = sl[index] if rank else sl[...]
+        except (SafetensorError, RuntimeError, ValueError) as e:
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name} is corrupt or truncated ({e})") from e
+        return t if dtype is None else t.to(dtype)

@@ -1,0 +1,39 @@
+"""The latent KV cache of MLA: per token and layer only c_kv (kv_lora_rank) and rotated k_pe (rope dim)."""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelArgs
+
+
+class LatentCache:
+    """Contiguous per-sequence cache for `batch` sequences of up to `max_len` tokens."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        batch: int,
+        max_len: int,
+        n_layers: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        n_layers = args.num_hidden_layers if n_layers is None else n_layers
+        self.max_len = max_len
+        self.kv = torch.zeros(n_layers, batch, max_len, args.kv_lora_rank, dtype=dtype, device=device)
+        self.pe = torch.zeros(n_layers, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
+
+    def write(self, layer: int, start: int, kv: torch.Tensor, pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a chunk at positions [start, start+T) and return everything up to its end."""
+        end = start + kv.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache's max_len={self.max_len}")
+        self.kv[layer, :, start:end] = kv
+        self.pe[layer, :, start:end] = pe
+        return self.kv[layer, :, :end], self.pe[layer, :, :end]
+
+    @property
+    def bytes_per_token(self) -> int:
+        per_layer = self.kv.shape[-1] + self.pe.shape[-1]
+        return per_layer * self.kv.shape[0] * self.kv.element_size()

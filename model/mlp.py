@@ -1,0 +1,22 @@
+"""The SwiGLU feed-forward used by dense layers, routed experts and shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .linear import Linear
+
+
+class MLP(nn.Module):
+    """down_proj(silu(gate_proj x) * up_proj x); HF names, which are the checkpoint's names."""
+
+    def __init__(self, dim: int, inter_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = Linear(dim, inter_dim)
+        self.up_proj = Linear(dim, inter_dim)
+        self.down_proj = Linear(inter_dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,135 @@
+"""The DeepSeek-V3 transformer and its multi-token-prediction (MTP) layers.
+
+Module names equal the Hugging Face checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`,
+`lm_head.weight`, ...), except MTP layers, stored as `model.layers.{num_hidden_layers + k}` in the
+checkpoint and held here as `mtp.{k}`; `model.checkpoint_names` maps between the two.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import MLA, AttnImpl
+from .config import ModelArgs
+from .kv_cache import LatentCache
+from .linear import Linear
+from .mlp import MLP
+from .moe import MoE
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); the ffn is dense or MoE by index."""
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.self_attn = MLA(args)
+        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else MLP(args.hidden_size, args.intermediate_size)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        start_pos: int,
+        cache: LatentCache | None,
+        impl: AttnImpl,
+    ) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + self.self_attn(h, rope, cos_sin, start_pos, cache, self.layer_id, impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's own final norm; its projection is the main model's lm_head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """Predicts token i+2 from the main model's hidden state at i and the embedding of token i+1."""
+
+    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+        super().__init__(args, layer_id)
+        self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.eh_proj = Linear(2 * args.hidden_size, args.hidden_size)
+        self.shared_head = SharedHead(args)
+
+
+class DecoderStack(nn.Module):
+    """`model.*` in the checkpoint: embedding, decoder layers, final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, with_mtp: bool = True) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderStack(args)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size)
+        n_mtp = args.num_nextn_predict_layers if with_mtp else 0
+        self.mtp = nn.ModuleList(MTPLayer(args, args.num_hidden_layers + k) for k in range(n_mtp))
+        self.rope = RotaryEmbedding(args)
+        self.attn_impl: AttnImpl = "auto"
+
+    def new_cache(self, batch: int, max_len: int) -> LatentCache:
+        """A latent cache for the main layers and any MTP layers, in the model's dtype and device."""
+        ref = self.model.embed_tokens.weight
+        n_layers = self.args.num_hidden_layers + len(self.mtp)
+        return LatentCache(self.args, batch, max_len, n_layers, dtype=ref.dtype, device=ref.device)
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None
+    ) -> torch.Tensor:
+        """Final-normed hidden states [B, T, dim] for tokens at positions start_pos..start_pos+T-1."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self._cos_sin(start_pos, input_ids.shape[1], x.device)
+        for layer in self.model.layers:
+            x = layer(x, self.rope, cos_sin, start_pos, cache, self.attn_impl)
+        return self.model.norm(x)
+
+    def forward(
+        self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None
+    ) -> torch.Tensor:
+        """Logits [B, T, vocab]; with a cache, earlier positions come from it and new ones are stored."""
+        return self.lm_head(self.hidden_states(input_ids, start_pos, cache)).float()
+
+    def mtp_logits(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        start_pos: int = 0,
+        cache: LatentCache | None = None,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """Logits for token i+2 from `hidden` (main model, position i) and `next_ids` (token i+1)."""
+        layer = self.mtp[depth]
+        e = layer.enorm(self.model.embed_tokens(next_ids))
+        x = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))
+        cos_sin = self._cos_sin(start_pos, next_ids.shape[1], x.device)
+        x = layer(x, self.rope, cos_sin, start_pos, cache, self.attn_impl)
+        return self.lm_head(layer.shared_head.norm(x)).float()
+
+    def _cos_sin(self, start_pos: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.cos_sin(torch.arange(start_pos, start_pos + n, device=device))
+
+
+def checkpoint_name(param: str, args: ModelArgs) -> str:
+    """The checkpoint tensor name of a parameter or buffer of `Transformer`."""
+    if param.startswith("mtp."):
+        k, rest = param[len("mtp.") :].split(".", 1)
+        return f"model.layers.{args.num_hidden_layers + int(k)}.{rest}"
+    return param
