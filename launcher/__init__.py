@@ -1,0 +1,1 @@
+"""What a user touches: the `launch` CLI, its tools and front ends."""

@@ -1,0 +1,100 @@
+"""Checkpoint conversions between block-FP8 and plain (bf16/fp32) Hugging Face directories.
+
+Both work shard by shard, so converting a 671B checkpoint needs the memory of one shard, and both
+keep shard file names and tensor names: only `*_scale_inv` tensors appear or disappear.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+import kernels
+
+from .checkpoint import INDEX_FILE, CheckpointError, CheckpointReader
+
+SCALE_SUFFIX = "_scale_inv"
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
+# Everything but tensors and their index travels unchanged: tokenizer, chat template, generation config.
+_REWRITTEN = {"config.json", INDEX_FILE}
+
+ShardFn = Callable[[CheckpointReader, list[str]], dict[str, torch.Tensor]]
+
+
+def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    """The projections DeepSeek stores as FP8: attention, MLP, expert and MTP eh_proj weights."""
+    return len(shape) == 2 and name.endswith("_proj.weight")
+
+
+def fp8_to_bf16(src: str | Path, dst: str | Path) -> Path:
+    """Write `dequant(W, S)` in bf16 under the same names, without the scale tensors."""
+
+    def shard(reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            tensor = reader.read(name)
+            if reader.is_fp8(name):
+                scale = reader.read(name + SCALE_SUFFIX, torch.float32)
+                tensor = kernels.weight_dequant(tensor, scale, out_dtype=torch.bfloat16)
+            out[name] = tensor
+        return out
+
+    return _convert(src, dst, shard, lambda cfg: {k: v for k, v in cfg.items() if k != "quantization_config"})
+
+
+def quantize_fp8(src: str | Path, dst: str | Path) -> Path:
+    """Make a block-FP8 checkpoint: 128x128 block scales for the projections, bf16 for the rest."""
+
+    def shard(reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            tensor = reader.read(name)
+            if reader.is_fp8(name):
+                raise CheckpointError(f"{reader.file_of(name)}: {name} is already FP8; nothing to quantize")
+            if is_quantizable(name, tuple(tensor.shape)):
+                out[name], out[name + SCALE_SUFFIX] = kernels.weight_quant(tensor.float())
+            elif name.endswith("e_score_correction_bias"):
+                out[name] = tensor.float()
+            else:
+                out[name] = tensor.to(torch.bfloat16)
+        return out
+
+    return _convert(src, dst, shard, lambda cfg: {**cfg, "quantization_config": FP8_QUANTIZATION_CONFIG})
+
+
+def _convert(src: str | Path, dst: str | Path, shard_fn: ShardFn, edit_config: Callable[[dict], dict]) -> Path:
+    src, dst = Path(src), Path(dst)
+    reader = CheckpointReader(src)
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"destination {dst} is the source directory: choose a new directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    by_file: dict[str, list[str]] = {}
+    for name, file in reader.weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    weight_map: dict[str, str] = {}
+    for file, names in sorted(by_file.items()):
+        tensors = shard_fn(reader, names)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    if (src / INDEX_FILE).exists():
+        index = json.loads((src / INDEX_FILE).read_text())
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    config = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(edit_config(config), indent=2) + "\n")
+    for f in src.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _REWRITTEN:
+            shutil.copy2(f, dst / f.name)
+    return dst

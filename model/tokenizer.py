@@ -1,0 +1,70 @@
+"""A checkpoint directory's tokenizer: `tokenizer.json` (via `tokenizers`) and the chat template in
+`tokenizer_config.json` (Jinja, rendered the way transformers renders it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+Message = dict[str, Any]
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens as a string or as {"content": ...}.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any]) -> None:
+        self._tok = tokenizer
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        template = config.get("chat_template")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        self._template = env.from_string(template) if template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(f"{file} not found: the checkpoint directory needs a tokenizer.json")
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.exists() else {}
+        return cls(HFTokenizer.from_file(str(file)), config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognized, none is added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
