@@ -60,7 +60,11 @@ class MLA(nn.Module):
         impl: AttnImpl = "auto",
     ) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_b_proj") else self.q_proj(x)
+        q = (
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if hasattr(self, "q_b_proj")
+            else self.q_proj(x)
+        )
         q = q.view(b, t, self.n_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = rope.apply(q_pe, *cos_sin, per_head=True)

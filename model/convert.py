@@ -74,7 +74,9 @@ def quantize_fp8(src: str | Path, dst: str | Path) -> Path:
     return _convert(src, dst, shard, lambda cfg: {**cfg, "quantization_config": FP8_QUANTIZATION_CONFIG})
 
 
-def _convert(src: str | Path, dst: str | Path, shard_fn: ShardFn, edit_config: Callable[[dict], dict]) -> Path:
+def _convert(
+    src: str | Path, dst: str | Path, shard_fn: ShardFn, edit_config: Callable[[dict], dict]
+) -> Path:
     src, dst = Path(src), Path(dst)
     reader = CheckpointReader(src)
     if dst.resolve() == src.resolve():

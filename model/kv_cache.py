@@ -24,7 +24,9 @@ class LatentCache:
         self.kv = torch.zeros(n_layers, batch, max_len, args.kv_lora_rank, dtype=dtype, device=device)
         self.pe = torch.zeros(n_layers, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
 
-    def write(self, layer: int, start: int, kv: torch.Tensor, pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(
+        self, layer: int, start: int, kv: torch.Tensor, pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store a chunk at positions [start, start+T) and return everything up to its end."""
         end = start + kv.shape[1]
         if end > self.max_len:

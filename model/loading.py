@@ -31,7 +31,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def has_mtp_weights(args: ModelArgs, reader: CheckpointReader) -> bool:
-    return args.num_nextn_predict_layers > 0 and f"model.layers.{args.num_hidden_layers}.eh_proj.weight" in reader
+    return (
+        args.num_nextn_predict_layers > 0
+        and f"model.layers.{args.num_hidden_layers}.eh_proj.weight" in reader
+    )
 
 
 def _shared_mtp_copies(args: ModelArgs) -> set[str]:
@@ -59,13 +62,14 @@ def load_model(
     args = load_args(path)
     reader = CheckpointReader(path)
     keep_fp8 = fp8 == "keep" or (fp8 == "auto" and device.type == "cuda")
-    with_mtp = with_mtp and has_mtp_weights(args, reader)
+    mtp_in_checkpoint = has_mtp_weights(args, reader)
+    with_mtp = with_mtp and mtp_in_checkpoint
     if args.num_nextn_predict_layers and not with_mtp:
         log.info("%s: no MTP weights loaded; speculative decoding with MTP is off", path)
     with torch.device("meta"):
         model = Transformer(args, with_mtp=with_mtp)
     used = _fill_from_checkpoint(model, reader, dtype, device, keep_fp8)
-    _check_all_used(args, reader, used, with_mtp)
+    _check_all_used(args, reader, used, skip_mtp=mtp_in_checkpoint and not with_mtp)
     model.rope = RotaryEmbedding(args).to(device)
     return model.eval().requires_grad_(False)
 
@@ -123,18 +127,23 @@ def _read_checked(reader: CheckpointReader, name: str, expected: tuple[int, ...]
     return reader.read(name)
 
 
-def _check_all_used(args: ModelArgs, reader: CheckpointReader, used: set[str], with_mtp: bool) -> None:
-    skipped_prefixes = tuple(
-        f"model.layers.{args.num_hidden_layers + k}." for k in range(args.num_nextn_predict_layers if not with_mtp else 0)
-    )
+def _check_all_used(args: ModelArgs, reader: CheckpointReader, used: set[str], skip_mtp: bool) -> None:
+    """Every checkpoint tensor must have found a place; leftovers mean config and tensors disagree."""
+    n_skipped = args.num_nextn_predict_layers if skip_mtp else 0
+    skipped_prefixes = tuple(f"model.layers.{args.num_hidden_layers + k}." for k in range(n_skipped))
     shared = _shared_mtp_copies(args)
     for name in reader.names():
-        if name in used or name in shared or name.endswith(_IGNORED_SUFFIXES) or name.startswith(skipped_prefixes):
+        if (
+            name in used
+            or name in shared
+            or name.endswith(_IGNORED_SUFFIXES)
+            or name.startswith(skipped_prefixes)
+        ):
             continue
         if name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in used:
             continue
         raise CheckpointError(
             f"{reader.file_of(name)}: tensor {name} is not part of the model config.json describes "
             f"(num_hidden_layers={args.num_hidden_layers}, n_routed_experts={args.n_routed_experts}, "
-            f"num_nextn_predict_layers={args.num_nextn_predict_layers}); the config does not match the tensors"
+            f"num_nextn_predict_layers={args.num_nextn_predict_layers}): config and tensors disagree"
         )

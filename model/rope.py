@@ -25,7 +25,9 @@ def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     if not rs.enabled:
         return freqs
     low = max(math.floor(_correction_dim(rs.beta_fast, dim, base, rs.original_max_position_embeddings)), 0)
-    high = min(math.ceil(_correction_dim(rs.beta_slow, dim, base, rs.original_max_position_embeddings)), dim - 1)
+    high = min(
+        math.ceil(_correction_dim(rs.beta_slow, dim, base, rs.original_max_position_embeddings)), dim - 1
+    )
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
@@ -57,7 +59,9 @@ class RotaryEmbedding(torch.nn.Module):
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
         return angles.cos() * self.amplitude, angles.sin() * self.amplitude
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_head: bool = False) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_head: bool = False
+    ) -> torch.Tensor:
         """Rotate x [..., T, d] (or [..., T, H, d] when per_head) by tables [T, d/2]."""
         if per_head:
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)

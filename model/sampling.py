@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Token ids [B] from logits [B, vocab]."""
     if temperature <= 0:
         return logits.argmax(dim=-1)

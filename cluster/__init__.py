@@ -1,0 +1,1 @@
+"""Where processes run: Ray, torchrun-style rendezvous, Slurm, local processes."""

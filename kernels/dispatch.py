@@ -1,0 +1,72 @@
+"""Device-based choice between the Triton kernels and the torch references.
+
+CUDA tensors go to Triton. CPU tensors go to the references, unless MOELAUNCH_TRITON_ON_CPU=1 and
+TRITON_INTERPRET=1 are both set, which runs the Triton kernels in the interpreter (for tests).
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels import fp8_reference as ref
+from kernels.fp8_reference import BLOCK_SIZE
+
+
+def use_triton(t: Tensor) -> bool:
+    if t.is_cuda:
+        return True
+    env = os.environ
+    return env.get("MOELAUNCH_TRITON_ON_CPU") == "1" and env.get("TRITON_INTERPRET") == "1"
+
+
+def _triton() -> ModuleType:
+    # Imported on first use: a CPU-only run never pays for (or depends on) Triton, and the kernels get
+    # decorated after the caller has had the chance to set TRITON_INTERPRET.
+    from kernels import fp8_triton
+
+    return fp8_triton
+
+
+def act_quant(x: Tensor, block_size: int = BLOCK_SIZE, scale_fmt: str | None = None) -> tuple[Tensor, Tensor]:
+    fn = _triton().act_quant_triton if use_triton(x) else ref.act_quant_ref
+    return fn(x, block_size, scale_fmt)
+
+
+def weight_dequant(
+    w: Tensor, s: Tensor, block_size: int = BLOCK_SIZE, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    fn = _triton().weight_dequant_triton if use_triton(w) else ref.weight_dequant_ref
+    return fn(w, s, block_size, out_dtype)
+
+
+def weight_quant(w: Tensor, block_size: int = BLOCK_SIZE) -> tuple[Tensor, Tensor]:
+    # Only used to make checkpoints, never on the hot path: the reference is enough everywhere.
+    return ref.weight_quant_ref(w, block_size)
+
+
+def fp8_gemm(a: Tensor, a_s: Tensor, b: Tensor, b_s: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    fn = _triton().fp8_gemm_triton if use_triton(a) else ref.fp8_gemm_ref
+    return fn(a, a_s, b, b_s, out_dtype)
+
+
+def fp8_linear(
+    x: Tensor, weight_fp8: Tensor, weight_scale_inv: Tensor, scale_fmt: str | None = None
+) -> Tensor:
+    """y = x @ dequant(weight).T through W8A8: quantize x per 128-block, then the block-scaled GEMM.
+
+    K that is not a multiple of 128 (tiny test models) is zero-padded on both x and the weight: zeros leave
+    every block's amax and every dot product unchanged, and weight_scale_inv already has ceil(K/128)
+    columns, so it covers the padded K as is.
+    """
+    pad = -x.shape[-1] % BLOCK_SIZE
+    if pad:
+        x_in, weight_fp8 = F.pad(x, (0, pad)), F.pad(weight_fp8, (0, pad))
+    else:
+        x_in = x
+    x_q, x_s = act_quant(x_in, BLOCK_SIZE, scale_fmt)
+    return fp8_gemm(x_q, x_s, weight_fp8, weight_scale_inv, out_dtype=x.dtype)

@@ -1,0 +1,1 @@
+"""Sharded execution: device mesh, tensor/expert/data/pipeline parallel layers."""

@@ -1,0 +1,97 @@
+"""Block-FP8 checkpoints: made by `launch convert quantize-fp8`, loaded dequantized or kept as FP8
+(W8A8 path), and converted back by `launch convert fp8-to-bf16`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import make_hf_model
+
+from launcher.cli import main as launch
+from model import CheckpointReader, load_model
+
+IDS = torch.randint(2, 320, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    # transformers' own init scale: the decisive gates of the parity tests flip experts under FP8 noise
+    original = make_hf_model(root / "orig", "v3", initializer_range=0.02)
+    (original / "tokenizer_config.json").write_text('{"chat_template": "x"}')
+    assert launch(["convert", "quantize-fp8", str(original), str(root / "fp8")]) == 0
+    assert launch(["convert", "fp8-to-bf16", str(root / "fp8"), str(root / "bf16")]) == 0
+    return original, root / "fp8", root / "bf16"
+
+
+def test_quantized_directory_looks_like_deepseeks(dirs):
+    _, fp8, _ = dirs
+    config = json.loads((fp8 / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    assert (fp8 / "tokenizer_config.json").exists()
+    with safe_open(str(fp8 / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight")
+        s = f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv")
+        assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (1, 1)
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == torch.float32
+
+
+def test_fp8_model_equals_its_dequantized_bf16_twin(dirs):
+    _, fp8, bf16 = dirs
+    assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
+    assert not any(n.endswith("_scale_inv") for n in CheckpointReader(bf16).names())
+    a = load_model(fp8, dtype=torch.bfloat16)(IDS)
+    b = load_model(bf16, dtype=torch.bfloat16)(IDS)
+    assert torch.equal(a, b)  # same dequantized weights, same arithmetic
+
+
+def test_fp8_model_stays_close_to_the_original(dirs):
+    original, fp8, _ = dirs
+    ref = load_model(original)(IDS)
+    got = load_model(fp8)(IDS)
+    diff = (got - ref).abs().max().item()
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    print(f"fp8 weights vs fp32 original: max |dlogit| = {diff:.4f} (logit scale {ref.abs().max():.2f}), "
+          f"argmax agreement {agree:.1%}")  # fmt: skip
+    # e4m3 weights carry ~3% noise each; through 3 layers and the head that is ~10% of the logits
+    assert diff < 0.25 * ref.abs().max().item() and agree >= 0.85
+
+
+def test_round_trip_is_within_fp8_error(dirs):
+    original, _, bf16 = dirs
+    before, after = CheckpointReader(original), CheckpointReader(bf16)
+    for name in before.names():
+        w, w2 = before.read(name, torch.float32), after.read(name, torch.float32)
+        # e4m3 keeps 3 mantissa bits: half a step is 1/16 of the value, at most amax/16 per block.
+        assert (w2 - w).abs().max() <= w.abs().max() / 16 + 1e-6, name
+
+
+def test_keeping_fp8_weights_runs_the_w8a8_path(dirs):
+    original, fp8, _ = dirs
+    kept = load_model(fp8, fp8="keep")
+    assert kept.model.layers[1].mlp.experts["0"].down_proj.weight.dtype == torch.float8_e4m3fn
+    ref = load_model(fp8)(IDS)  # dequantized weights, unquantized activations
+    got = kept(IDS)
+    diff = (got - ref).abs().max().item()
+    print(f"W8A8 vs dequantized weights: max |dlogit| = {diff:.4f}")
+    assert diff < 0.1 * ref.abs().max().item()
+
+
+def test_w8a8_model_through_triton_kernels_in_the_interpreter(dirs, monkeypatch):
+    _, fp8, _ = dirs
+    kept = load_model(fp8, fp8="keep")
+    ids = IDS[:1, :6]
+    expected = kept(ids)
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    assert (kept(ids) - expected).abs().max().item() <= 1e-3 * expected.abs().max().item()
+
+
+def test_converting_an_fp8_checkpoint_again_is_refused(dirs, tmp_path, capsys):
+    _, fp8, _ = dirs
+    assert launch(["convert", "quantize-fp8", str(fp8), str(tmp_path / "x")]) == 1
+    assert "already FP8" in capsys.readouterr().err
