@@ -12,8 +12,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .batch import BatchLayout
 from .config import ModelArgs
-from .kv_cache import LatentCache
 from .linear import Linear
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -29,6 +29,9 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tens
 
 
 class MLA(nn.Module):
+    """`n_heads` may be a tensor-parallel rank's share of the heads; the latent path is per token and
+    the same for every head, so it is never split."""
+
     def __init__(self, args: ModelArgs, n_heads: int | None = None) -> None:
         super().__init__()
         self.n_heads = args.num_attention_heads if n_heads is None else n_heads
@@ -54,47 +57,51 @@ class MLA(nn.Module):
         x: torch.Tensor,
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        start_pos: int = 0,
-        cache: LatentCache | None = None,
-        layer: int = 0,
+        layout: BatchLayout,
+        layer: int,
         impl: AttnImpl = "auto",
     ) -> torch.Tensor:
-        b, t, _ = x.shape
+        """x [N, dim] -> [N, dim]; each span attends to its own cache row (or to itself without one)."""
+        n = x.shape[0]
         q = (
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             if hasattr(self, "q_b_proj")
             else self.q_proj(x)
         )
-        q = q.view(b, t, self.n_heads, self.nope_dim + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_nope, q_pe = q.view(n, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
         q_pe = rope.apply(q_pe, *cos_sin, per_head=True)
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)
         k_pe = rope.apply(k_pe, *cos_sin)
-        if cache is not None:
-            kv, k_pe = cache.write(layer, start_pos, kv, k_pe)
-        mask = causal_mask(t, kv.shape[1], x.device) if t > 1 else None
-        absorbed = impl == "absorbed" or (impl == "auto" and t == 1)
-        attend = self._absorbed if absorbed else self._naive
-        out = attend(q_nope, q_pe, kv, k_pe, mask)
-        return self.o_proj(out.flatten(2))
+        out = x.new_empty(n, self.n_heads, self.v_dim)
+        for span in layout.spans:
+            rows = slice(span.offset, span.offset + span.length)
+            keys, pes = kv[rows], k_pe[rows]
+            if layout.cache is not None:
+                keys, pes = layout.cache.write(layer, span.cache_row, span.start_pos, keys, pes)
+            mask = causal_mask(span.length, keys.shape[0], x.device) if span.length > 1 else None
+            absorbed = impl == "absorbed" or (impl == "auto" and span.length == 1)
+            attend = self._absorbed if absorbed else self._naive
+            out[rows] = attend(q_nope[rows], q_pe[rows], keys, pes, mask)
+        return self.o_proj(out.flatten(1))
 
     def _naive(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
-        s = kv.shape[1]
-        kv = self.kv_b_proj(kv).view(kv.shape[0], s, self.n_heads, self.nope_dim + self.v_dim)
+        """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens."""
+        kv = self.kv_b_proj(kv).view(kv.shape[0], self.n_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        scores = torch.einsum("bthd,bshd->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        scores = torch.einsum("thd,shd->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)
         probs = self._softmax(scores, mask).to(v.dtype)
-        return torch.einsum("bhts,bshd->bthd", probs, v)
+        return torch.einsum("hts,shd->thd", probs, v)
 
     def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
+        """Attention in the latent space: W_UK folded into the query, W_UV applied after."""
         w = self.kv_b_proj.dense_weight(kv.dtype).view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
         w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
-        q_latent = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
-        scores = torch.einsum("bthc,bsc->bhts", q_latent, kv) + torch.einsum("bthr,bsr->bhts", q_pe, k_pe)
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
+        scores = torch.einsum("thc,sc->hts", q_latent, kv) + torch.einsum("thr,sr->hts", q_pe, k_pe)
         probs = self._softmax(scores, mask).to(kv.dtype)
-        out_latent = torch.einsum("bhts,bsc->bthc", probs, kv)
-        return torch.einsum("bthc,hdc->bthd", out_latent, w_uv)
+        out_latent = torch.einsum("hts,sc->thc", probs, kv)
+        return torch.einsum("thc,hdc->thd", out_latent, w_uv)
 
     def _softmax(self, scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         scores = scores.float() * self.scale

@@ -25,15 +25,16 @@ class LatentCache:
         self.pe = torch.zeros(n_layers, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
 
     def write(
-        self, layer: int, start: int, kv: torch.Tensor, pe: torch.Tensor
+        self, layer: int, row: int, start: int, kv: torch.Tensor, pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store a chunk at positions [start, start+T) and return everything up to its end."""
-        end = start + kv.shape[1]
+        """Store one sequence's chunk kv [T, rank], pe [T, rope] at positions [start, start+T) of
+        cache row `row`, and return that row's entries up to the chunk's end."""
+        end = start + kv.shape[0]
         if end > self.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's max_len={self.max_len}")
-        self.kv[layer, :, start:end] = kv
-        self.pe[layer, :, start:end] = pe
-        return self.kv[layer, :, :end], self.pe[layer, :, :end]
+        self.kv[layer, row, start:end] = kv
+        self.pe[layer, row, start:end] = pe
+        return self.kv[layer, row, :end], self.pe[layer, row, :end]
 
     @property
     def bytes_per_token(self) -> int:

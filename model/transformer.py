@@ -2,7 +2,8 @@
 
 Module names equal the Hugging Face checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`,
 `lm_head.weight`, ...), except MTP layers, stored as `model.layers.{num_hidden_layers + k}` in the
-checkpoint and held here as `mtp.{k}`; `model.checkpoint_names` maps between the two.
+checkpoint and held here as `mtp.{k}`; `checkpoint_name` maps between the two. Layers sit in a dict
+keyed by their index, so a pipeline stage can hold just its own layers under the same names.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from .attention import MLA, AttnImpl
+from .batch import BatchLayout
 from .config import ModelArgs
 from .kv_cache import LatentCache
 from .linear import Linear
@@ -36,12 +38,11 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rope: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        start_pos: int,
-        cache: LatentCache | None,
+        layout: BatchLayout,
         impl: AttnImpl,
     ) -> torch.Tensor:
-        h = self.input_layernorm(x)
-        x = x + self.self_attn(h, rope, cos_sin, start_pos, cache, self.layer_id, impl)
+        if x.shape[0]:  # a rank with no tokens skips attention but still joins the MoE exchange
+            x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, layout, self.layer_id, impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -70,7 +71,7 @@ class DecoderStack(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_hidden_layers))
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in range(args.num_hidden_layers)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
@@ -85,6 +86,33 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(args)
         self.attn_impl: AttnImpl = "auto"
 
+    # -- pieces on flat batches ([N] tokens laid out by a BatchLayout); pipeline stages call them --
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def run_layers(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
+        """Every decoder layer this module holds, in order, over x [N, dim]."""
+        cos_sin = self.rope.cos_sin(layout.positions)
+        for layer in self.model.layers.values():
+            x = layer(x, self.rope, cos_sin, layout, self.attn_impl)
+        return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits from final-normed hidden states."""
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, layout: BatchLayout, depth: int = 0):
+        """MTP logits [N, vocab] for token i+2 from hidden [N, dim] (position i) and next_ids [N] (i+1)."""
+        layer = self.mtp[depth]
+        e = layer.enorm(self.embed(next_ids))
+        x = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))
+        x = layer(x, self.rope, self.rope.cos_sin(layout.positions), layout, self.attn_impl)
+        return self.head(layer.shared_head.norm(x))
+
+    # -- the rectangular API: input_ids [B, T], all sequences at the same positions --
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         """A latent cache for the main layers and any MTP layers, in the model's dtype and device."""
         ref = self.model.embed_tokens.weight
@@ -95,17 +123,16 @@ class Transformer(nn.Module):
         self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, dim] for tokens at positions start_pos..start_pos+T-1."""
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self._cos_sin(start_pos, input_ids.shape[1], x.device)
-        for layer in self.model.layers:
-            x = layer(x, self.rope, cos_sin, start_pos, cache, self.attn_impl)
-        return self.model.norm(x)
+        b, t = input_ids.shape
+        layout = BatchLayout.rectangle(b, t, start_pos, cache, input_ids.device)
+        x = self.run_layers(self.embed(input_ids.flatten()), layout)
+        return self.final_norm(x).view(b, t, -1)
 
     def forward(
         self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None
     ) -> torch.Tensor:
         """Logits [B, T, vocab]; with a cache, earlier positions come from it and new ones are stored."""
-        return self.lm_head(self.hidden_states(input_ids, start_pos, cache)).float()
+        return self.head(self.hidden_states(input_ids, start_pos, cache))
 
     def mtp_logits(
         self,
@@ -115,16 +142,11 @@ class Transformer(nn.Module):
         cache: LatentCache | None = None,
         depth: int = 0,
     ) -> torch.Tensor:
-        """Logits for token i+2 from `hidden` (main model, position i) and `next_ids` (token i+1)."""
-        layer = self.mtp[depth]
-        e = layer.enorm(self.model.embed_tokens(next_ids))
-        x = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))
-        cos_sin = self._cos_sin(start_pos, next_ids.shape[1], x.device)
-        x = layer(x, self.rope, cos_sin, start_pos, cache, self.attn_impl)
-        return self.lm_head(layer.shared_head.norm(x)).float()
-
-    def _cos_sin(self, start_pos: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rope.cos_sin(torch.arange(start_pos, start_pos + n, device=device))
+        """Logits [B, T, vocab] for token i+2 from `hidden` (main model, position i) and `next_ids` (i+1)."""
+        b, t = next_ids.shape
+        layout = BatchLayout.rectangle(b, t, start_pos, cache, next_ids.device)
+        logits = self.mtp_forward(hidden.reshape(b * t, -1), next_ids.flatten(), layout, depth)
+        return logits.view(b, t, -1)
 
 
 def checkpoint_name(param: str, args: ModelArgs) -> str:

@@ -74,7 +74,7 @@ def test_round_trip_is_within_fp8_error(dirs):
 def test_keeping_fp8_weights_runs_the_w8a8_path(dirs):
     original, fp8, _ = dirs
     kept = load_model(fp8, fp8="keep")
-    assert kept.model.layers[1].mlp.experts["0"].down_proj.weight.dtype == torch.float8_e4m3fn
+    assert kept.model.layers["1"].mlp.experts["0"].down_proj.weight.dtype == torch.float8_e4m3fn
     ref = load_model(fp8)(IDS)  # dequantized weights, unquantized activations
     got = kept(IDS)
     diff = (got - ref).abs().max().item()
