@@ -8,18 +8,24 @@ from .config import ModelArgs
 
 
 class LatentCache:
-    """Contiguous per-sequence cache for `batch` sequences of up to `max_len` tokens."""
+    """Contiguous per-sequence cache for `batch` sequences of up to `max_len` tokens.
+
+    `layer_ids` are the (global) layers it stores, by default all main layers; a pipeline stage
+    passes only its own.
+    """
 
     def __init__(
         self,
         args: ModelArgs,
         batch: int,
         max_len: int,
-        n_layers: int | None = None,
+        layer_ids: list[int] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        n_layers = args.num_hidden_layers if n_layers is None else n_layers
+        layer_ids = list(range(args.num_hidden_layers)) if layer_ids is None else layer_ids
+        self.slot = {layer: i for i, layer in enumerate(layer_ids)}
+        n_layers = len(layer_ids)
         self.max_len = max_len
         self.kv = torch.zeros(n_layers, batch, max_len, args.kv_lora_rank, dtype=dtype, device=device)
         self.pe = torch.zeros(n_layers, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
@@ -32,9 +38,10 @@ class LatentCache:
         end = start + kv.shape[0]
         if end > self.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's max_len={self.max_len}")
-        self.kv[layer, row, start:end] = kv
-        self.pe[layer, row, start:end] = pe
-        return self.kv[layer, row, :end], self.pe[layer, row, :end]
+        i = self.slot[layer]
+        self.kv[i, row, start:end] = kv
+        self.pe[i, row, start:end] = pe
+        return self.kv[i, row, :end], self.pe[i, row, :end]
 
     @property
     def bytes_per_token(self) -> int:

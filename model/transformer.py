@@ -114,10 +114,11 @@ class Transformer(nn.Module):
 
     # -- the rectangular API: input_ids [B, T], all sequences at the same positions --
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        """A latent cache for the main layers and any MTP layers, in the model's dtype and device."""
-        ref = self.model.embed_tokens.weight
-        n_layers = self.args.num_hidden_layers + len(self.mtp)
-        return LatentCache(self.args, batch, max_len, n_layers, dtype=ref.dtype, device=ref.device)
+        """A latent cache for the layers (and MTP layers) this module holds, in its dtype and device."""
+        # Norm weights are never quantized: their dtype is the compute dtype.
+        ref = next(iter(self.model.layers.values())).input_layernorm.weight
+        layer_ids = [int(i) for i in self.model.layers] + [layer.layer_id for layer in self.mtp]
+        return LatentCache(self.args, batch, max_len, layer_ids, dtype=ref.dtype, device=ref.device)
 
     def hidden_states(
         self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None

@@ -28,7 +28,7 @@ def test_flat_batch_of_prefills_and_decodes_equals_separate_runs(tmp_path):
     step2 = model.head(model.final_norm(x))
 
     got = [step1[:5], torch.cat([step1[5:], step2[:3]]), step2[3:]]
-    for a, b in zip(got, alone):
+    for a, b in zip(got, alone, strict=True):
         assert (a - b).abs().max().item() <= 1e-4
 
 

@@ -1,0 +1,104 @@
+"""Expert parallelism: routed experts spread over the EP group, tokens moved to them and back.
+
+Dispatch: after the gate, every (token, expert) pair is sent to a rank holding that expert with one
+uneven all_to_all; the receiver runs its experts on what arrived and sends the results back with the
+reverse all_to_all (combine); the sender weights and sums them per token. Routing weights never
+travel. Under DP attention with TP, the ranks of a TP group hold the same tokens, so each sends only
+its 1/tp share and the group gathers the combined results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelArgs
+from model.moe import MoE
+
+from .group import Group
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """owners[e] = the EP ranks holding a copy of expert e (more than one: a redundant copy)."""
+
+    owners: tuple[tuple[int, ...], ...]
+    ep_size: int
+
+    @classmethod
+    def contiguous(cls, n_experts: int, ep_size: int) -> ExpertPlacement:
+        if n_experts % ep_size:
+            raise ValueError(
+                f"n_routed_experts={n_experts} does not split over ep={ep_size} ranks; "
+                "pick dp*tp dividing the expert count or give an expert placement map"
+            )
+        per = n_experts // ep_size
+        return cls(tuple((e // per,) for e in range(n_experts)), ep_size)
+
+    @classmethod
+    def from_map(cls, owners: list[list[int]], n_experts: int, ep_size: int) -> ExpertPlacement:
+        if len(owners) != n_experts:
+            raise ValueError(f"expert placement lists {len(owners)} experts, the model has {n_experts}")
+        for e, ranks in enumerate(owners):
+            if not ranks or any(not 0 <= r < ep_size for r in ranks):
+                raise ValueError(
+                    f"expert {e} placed on {ranks}: each expert needs owners in 0..{ep_size - 1}"
+                )
+        return cls(tuple(tuple(r) for r in owners), ep_size)
+
+    def experts_of(self, ep_rank: int) -> list[int]:
+        return [e for e, ranks in enumerate(self.owners) if ep_rank in ranks]
+
+    def destinations(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The EP rank each (token, expert) pair goes to; copies of an expert share its pairs in turn."""
+        width = max(len(r) for r in self.owners)
+        table = torch.tensor([list(r) * width for r in self.owners])[:, :width]
+        n_copies = torch.tensor([len(r) for r in self.owners])
+        turn = torch.arange(expert_ids.numel()) % n_copies[expert_ids]
+        return table[expert_ids, turn]
+
+
+class ExpertParallelMoE(MoE):
+    def __init__(self, args: ModelArgs, placement: ExpertPlacement, ep: Group, tp: Group) -> None:
+        super().__init__(args, expert_ids=placement.experts_of(ep.index))
+        self.placement = placement
+        self.ep = ep
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        share = -(-n // self.tp.size)  # rows per TP rank, the last share padded
+        mine = x[self.tp.index * share : (self.tp.index + 1) * share]
+        weights, ids = self.gate(mine)
+        routed = self.routed(mine, weights, ids)
+        if self.tp.size > 1:
+            padded = routed.new_zeros(share, x.shape[1])
+            padded[: routed.shape[0]] = routed
+            routed = self.tp.all_gather_cat(padded, dim=0)[:n]
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        k = ids.shape[1]
+        flat_ids = ids.flatten()
+        dest = self.placement.destinations(flat_ids)
+        # Grouped by destination, then by expert, so each receiver gets runs of rows per expert.
+        order = (dest * self.n_routed_experts + flat_ids).argsort(stable=True)
+        token_of_slot = order // k
+        send_counts = torch.bincount(dest, minlength=self.ep.size)
+        recv_counts = self.ep.exchange_counts(send_counts)
+        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        arrived = self.ep.all_to_all(x[token_of_slot], sends, recvs)
+        arrived_ids = self.ep.all_to_all(flat_ids[order], sends, recvs)
+        computed = self._run_local(arrived, arrived_ids)
+        back = self.ep.all_to_all(computed, recvs, sends)  # the reverse exchange: combine
+        back = back * weights.flatten()[order, None].to(back.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of_slot, back)
+
+    def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Apply each row's expert; rows from different senders are regrouped by expert first."""
+        order = expert_ids.argsort(stable=True)
+        counts = torch.bincount(expert_ids, minlength=self.n_routed_experts).tolist()
+        out = torch.empty_like(rows)
+        out[order] = self.run_grouped(rows[order], counts)
+        return out

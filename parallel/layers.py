@@ -1,0 +1,61 @@
+"""Tensor-parallel layers. Each holds one rank's slice of a checkpoint tensor (its `shard_spec`,
+which the loader reads and nothing more) and adds the collective that makes the result whole."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.linear import Linear
+from model.sharding import ShardSpec
+
+from .group import Group
+
+
+class ColumnParallelLinear(Linear):
+    """Output features split over the group; the output stays split (the next layer is row-parallel
+    or works per head)."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group) -> None:
+        spec = ShardSpec.even(0, out_features, group.index, group.size)
+        super().__init__(in_features, spec.end - spec.start)
+        self.shard_spec = spec
+        self.group = group
+
+
+class RowParallelLinear(Linear):
+    """Input features split over the group; partial products are summed with an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, group: Group) -> None:
+        spec = ShardSpec.even(1, in_features, group.index, group.size)
+        super().__init__(spec.end - spec.start, out_features)
+        self.shard_spec = spec
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the embedding split over the group; each rank looks up the ids it holds, zeros the
+    rest, and an all-reduce assembles the full embeddings."""
+
+    def __init__(self, vocab_size: int, dim: int, group: Group) -> None:
+        super().__init__()
+        self.shard_spec = ShardSpec.even(0, vocab_size, group.index, group.size)
+        self.weight = nn.Parameter(torch.empty(self.shard_spec.end - self.shard_spec.start, dim))
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.shard_spec.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(x.masked_fill(outside[:, None], 0.0))
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head with vocab rows split over the group; logits are gathered to full width."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_cat(super().forward(x), dim=-1)
