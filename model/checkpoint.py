@@ -27,6 +27,7 @@ class CheckpointReader:
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         self._handles: dict[str, object] = {}
         self.weight_map = self._weight_map()
+        self.bytes_read = 0  # what this process actually pulled from disk (per-rank loading is measured)
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -102,4 +103,17 @@ class CheckpointReader:
             t = sl[index] if rank else sl[...]
         except (SafetensorError, RuntimeError, ValueError) as e:
             raise CheckpointError(f"{self.file_of(name)}: tensor {name} is corrupt or truncated ({e})") from e
+        self.bytes_read += t.numel() * t.element_size()
         return t if dtype is None else t.to(dtype)
+
+    def total_bytes(self) -> int:
+        """Size of every tensor in the checkpoint (from the headers; nothing is read)."""
+        sizes = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "I64": 8, "F64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+        total = 0
+        for name in self.weight_map:
+            sl = self._slice(name)
+            n = 1
+            for d in sl.get_shape():
+                n *= d
+            total += n * sizes.get(sl.get_dtype(), 4)
+        return total

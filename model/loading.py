@@ -79,6 +79,7 @@ def load_model(
     if build is None:
         _check_all_used(args, reader, used, skip_mtp=mtp_in_checkpoint and not with_mtp)
     model.rope = RotaryEmbedding(args).to(device)
+    model.checkpoint_bytes_read = reader.bytes_read
     return model.eval().requires_grad_(False)
 
 

@@ -85,6 +85,7 @@ class Transformer(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(args, args.num_hidden_layers + k) for k in range(n_mtp))
         self.rope = RotaryEmbedding(args)
         self.attn_impl: AttnImpl = "auto"
+        self.checkpoint_bytes_read = 0  # set by the loader: how much of the checkpoint this rank read
 
     # -- pieces on flat batches ([N] tokens laid out by a BatchLayout); pipeline stages call them --
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ class ExpertPlacement:
     def destinations(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """The EP rank each (token, expert) pair goes to; copies of an expert share its pairs in turn."""
         width = max(len(r) for r in self.owners)
-        table = torch.tensor([list(r) * width for r in self.owners])[:, :width]
+        table = torch.tensor([(list(r) * width)[:width] for r in self.owners])
         n_copies = torch.tensor([len(r) for r in self.owners])
         turn = torch.arange(expert_ids.numel()) % n_copies[expert_ids]
         return table[expert_ids, turn]

@@ -1,5 +1,6 @@
-"""Run under torchrun by test_parallel_layouts.py: every layout given on the command line, one after
-another, on the first dp*pp*tp ranks (the others wait), writing each layout's results to a file."""
+"""Run under torchrun by test_parallel_layouts.py: each layout of the plan file, one after another,
+on the first dp*pp*tp ranks of the job (the others only help create process groups). Rank 0 of each
+layout saves its results; every rank reports how many checkpoint bytes it read."""
 
 from __future__ import annotations
 
@@ -11,35 +12,38 @@ import torch
 import torch.distributed as dist
 
 from cluster.rendezvous import RankEnv, init_distributed
+from parallel.expert_parallel import ExpertPlacement
 from parallel.mesh import MeshShape, ParallelMesh
 from parallel.sharded_model import load_shard
 from parallel.spmd_generator import GenRequest, SpmdGenerator
 
 
-def requests_from(spec: list[dict]) -> list[GenRequest]:
-    return [GenRequest(**{**r, "stop_ids": tuple(r.get("stop_ids", ()))}) for r in spec]
+def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
+    dp, pp, tp = plan["shape"]
+    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    mesh = ParallelMesh.build(shape, timeout_s=120, ranks=list(range(shape.world)))
+    if mesh is None:
+        return
+    placement = None
+    if "placement" in plan:
+        placement = ExpertPlacement.from_map(plan["placement"], len(plan["placement"]), shape.ep)
+    model = load_shard(ckpt, mesh, placement=placement)
+    requests = [GenRequest(**r) for r in plan["requests"]]
+    results = SpmdGenerator(model, mesh, record_logits=True).generate(requests)
+    read = [None] * mesh.world.size
+    dist.all_gather_object(read, model.checkpoint_bytes_read, group=mesh.world.pg)
+    if mesh.rank == 0:
+        tokens = {r.id: r.token_ids for r in results}
+        logits = {r.id: torch.stack(r.logits) for r in results}
+        torch.save({"tokens": tokens, "logits": logits, "bytes_read": read}, out_dir / f"{name}.pt")
 
 
-def main(ckpt: str, out_dir: str, layouts: list[str], requests_file: str) -> None:
-    env = RankEnv.from_env()
-    init_distributed(env, timeout_s=120)
-    all_requests = json.loads(Path(requests_file).read_text())
-    for name in layouts:
-        dp, pp, tp = (int(v) for v in name.split("x"))
-        shape = MeshShape(dp=dp, pp=pp, tp=tp)
-        # A layout smaller than the job runs on its first ranks; the others only help create groups.
-        mesh = ParallelMesh.build(shape, timeout_s=120, ranks=list(range(shape.world)))
-        if mesh is not None:
-            model = load_shard(ckpt, mesh)
-            requests = requests_from(all_requests[name])
-            results = SpmdGenerator(model, mesh, record_logits=True).generate(requests)
-            if env.rank == 0:
-                torch.save(
-                    {r.id: (r.token_ids, torch.stack(r.logits)) for r in results},
-                    Path(out_dir) / f"{name}.pt",
-                )
+def main(ckpt: str, out_dir: str, plan_file: str) -> None:
+    init_distributed(RankEnv.from_env(), timeout_s=120)
+    for name, plan in json.loads(Path(plan_file).read_text()).items():
+        run_layout(ckpt, Path(out_dir), name, plan)
         dist.barrier()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4])
+    main(*sys.argv[1:4])
