@@ -1,8 +1,19 @@
-"""Block-scaled FP8 kernels: Triton on CUDA, torch references on the CPU (see `kernels.dispatch`)."""
+"""Block-scaled FP8 and paged MLA decode kernels: Triton on CUDA, torch references on the CPU.
+
+The choice is made per call by `kernels.dispatch`.
+"""
 
 from __future__ import annotations
 
-from kernels.dispatch import act_quant, fp8_gemm, fp8_linear, use_triton, weight_dequant, weight_quant
+from kernels.dispatch import (
+    act_quant,
+    fp8_gemm,
+    fp8_linear,
+    paged_mla_decode,
+    use_triton,
+    weight_dequant,
+    weight_quant,
+)
 from kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
 
 __all__ = [
@@ -11,6 +22,7 @@ __all__ = [
     "act_quant",
     "fp8_gemm",
     "fp8_linear",
+    "paged_mla_decode",
     "use_triton",
     "weight_dequant",
     "weight_quant",

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import fp8_reference as ref
+from kernels import mla_decode_reference as mla_ref
 from kernels.fp8_reference import BLOCK_SIZE
 
 
@@ -70,3 +71,18 @@ def fp8_linear(
         x_in = x
     x_q, x_s = act_quant(x_in, BLOCK_SIZE, scale_fmt)
     return fp8_gemm(x_q, x_s, weight_fp8, weight_scale_inv, out_dtype=x.dtype)
+
+
+def _mla_triton() -> ModuleType:
+    # Lazy for the same reasons as `_triton`, and separate so MLA decode does not pull in the FP8 kernels.
+    from kernels import mla_decode_triton
+
+    return mla_decode_triton
+
+
+def paged_mla_decode(
+    q_latent: Tensor, q_pe: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """Paged MLA decode attention in latent space: [R, H, C] (see `mla_decode_reference`)."""
+    fn = _mla_triton().paged_mla_decode_triton if use_triton(q_latent) else mla_ref.paged_mla_decode_ref
+    return fn(q_latent, q_pe, cache, block_table, seq_lens, scale)

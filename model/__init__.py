@@ -2,7 +2,7 @@
 
 from .checkpoint import CheckpointError, CheckpointReader
 from .config import ConfigError, ModelArgs, args_from_hf_config, load_args
-from .kv_cache import LatentCache
+from .kv_cache import PagedLatentCache
 from .loading import load_model
 from .transformer import Transformer
 
@@ -10,7 +10,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointReader",
     "ConfigError",
-    "LatentCache",
+    "PagedLatentCache",
     "ModelArgs",
     "Transformer",
     "args_from_hf_config",

@@ -61,7 +61,8 @@ class MLA(nn.Module):
         layer: int,
         impl: AttnImpl = "auto",
     ) -> torch.Tensor:
-        """x [N, dim] -> [N, dim]; each span attends to its own cache row (or to itself without one)."""
+        """x [N, dim] -> [N, dim]. With a cache, new latents are stored first; single-token spans
+        (decodes) then attend together through the paged decode kernel, longer spans one by one."""
         n = x.shape[0]
         q = (
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -73,17 +74,43 @@ class MLA(nn.Module):
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv = self.kv_a_layernorm(kv)
         k_pe = rope.apply(k_pe, *cos_sin)
+        cache = layout.cache
+        if cache is not None:
+            cache.store(layer, layout.slots, kv, k_pe)
         out = x.new_empty(n, self.n_heads, self.v_dim)
-        for span in layout.spans:
+        batched = (
+            [i for i, s in enumerate(layout.spans) if s.length == 1] if cache and impl != "naive" else []
+        )
+        if batched:
+            self._decode_batch(q_nope, q_pe, layout, batched, layer, out)
+        skip = set(batched)
+        for i, span in enumerate(layout.spans):
+            if i in skip:
+                continue
             rows = slice(span.offset, span.offset + span.length)
             keys, pes = kv[rows], k_pe[rows]
-            if layout.cache is not None:
-                keys, pes = layout.cache.write(layer, span.cache_row, span.start_pos, keys, pes)
+            if cache is not None:
+                keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos)
             mask = causal_mask(span.length, keys.shape[0], x.device) if span.length > 1 else None
             absorbed = impl == "absorbed" or (impl == "auto" and span.length == 1)
             attend = self._absorbed if absorbed else self._naive
             out[rows] = attend(q_nope[rows], q_pe[rows], keys, pes, mask)
         return self.o_proj(out.flatten(1))
+
+    def _decode_batch(self, q_nope, q_pe, layout: BatchLayout, spans: list[int], layer: int, out) -> None:
+        """All single-token spans at once, in the absorbed form over the paged latent cache."""
+        rows = torch.tensor([layout.spans[i].offset for i in spans], device=q_nope.device)
+        seq_lens = torch.tensor([layout.spans[i].end_pos for i in spans], device=q_nope.device)
+        w_uk, w_uv = self._absorbed_weights(q_nope.dtype)
+        q_latent = torch.einsum("rhd,hdc->rhc", q_nope[rows], w_uk)
+        tables = layout.block_tables[torch.tensor(spans, device=q_nope.device)]
+        out_latent = layout.cache.decode(layer, q_latent, q_pe[rows], tables, seq_lens, self.scale)
+        out[rows] = torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv)
+
+    def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into W_UK [H, nope, C] and W_UV [H, v, C]."""
+        w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _naive(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
         """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens."""
@@ -95,8 +122,7 @@ class MLA(nn.Module):
 
     def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
         """Attention in the latent space: W_UK folded into the query, W_UV applied after."""
-        w = self.kv_b_proj.dense_weight(kv.dtype).view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
-        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        w_uk, w_uv = self._absorbed_weights(kv.dtype)
         q_latent = torch.einsum("thd,hdc->thc", q_nope, w_uk)
         scores = torch.einsum("thc,sc->hts", q_latent, kv) + torch.einsum("thr,sr->hts", q_pe, k_pe)
         probs = self._softmax(scores, mask).to(kv.dtype)

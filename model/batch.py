@@ -1,7 +1,8 @@
 """How one forward pass's tokens are laid out: sequences of different lengths flattened into [N].
 
-Linear layers and experts run on all N tokens at once; attention walks the spans, each against its
-own cache row. A rank with no tokens runs the same pass with N = 0.
+Linear layers and experts run on all N tokens at once; attention walks the spans, each reading its
+own sequence from the paged cache through its block-table row. A rank with no tokens runs the same
+pass with N = 0.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_cache import LatentCache
+from .kv_cache import PagedLatentCache
 
 
 @dataclass(frozen=True)
@@ -20,31 +21,56 @@ class SeqSpan:
     offset: int
     length: int
     start_pos: int
-    cache_row: int = 0
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + self.length
 
 
 @dataclass
 class BatchLayout:
     spans: list[SeqSpan]
     positions: torch.Tensor  # [N] absolute position of every token
-    cache: LatentCache | None = None
+    cache: PagedLatentCache | None = None
+    block_tables: torch.Tensor | None = None  # [len(spans), max_blocks] block ids per span
+    slots: torch.Tensor | None = None  # [N] flat cache slot of every token
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
 
     @classmethod
-    def from_spans(
-        cls, spans: list[SeqSpan], cache: LatentCache | None = None, device: torch.device | str = "cpu"
+    def build(
+        cls,
+        spans: list[SeqSpan],
+        cache: PagedLatentCache | None = None,
+        block_tables: list[list[int]] | None = None,
+        device: torch.device | str = "cpu",
     ) -> BatchLayout:
-        pos = [torch.arange(s.start_pos, s.start_pos + s.length) for s in spans]
+        pos = [torch.arange(s.start_pos, s.end_pos) for s in spans]
         positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
-        return cls(spans, positions.to(device), cache)
+        if cache is None:
+            return cls(spans, positions.to(device))
+        width = max((len(row) for row in block_tables), default=1)
+        tables = torch.tensor([row + [0] * (width - len(row)) for row in block_tables], dtype=torch.long)
+        tables = tables.view(len(spans), width)
+        span_of_token = torch.repeat_interleave(
+            torch.arange(len(spans)), torch.tensor([s.length for s in spans])
+        )
+        blocks = tables[span_of_token, positions // cache.block_size]
+        slots = blocks * cache.block_size + positions % cache.block_size
+        return cls(spans, positions.to(device), cache, tables.to(device), slots.to(device))
 
     @classmethod
     def rectangle(
-        cls, batch: int, length: int, start_pos: int, cache: LatentCache | None, device: torch.device | str
+        cls,
+        batch: int,
+        length: int,
+        start_pos: int,
+        cache: PagedLatentCache | None,
+        device: torch.device | str,
     ) -> BatchLayout:
-        """`batch` sequences of `length` tokens each, sequence b in cache row b."""
-        spans = [SeqSpan(b * length, length, start_pos, b) for b in range(batch)]
-        return cls.from_spans(spans, cache, device)
+        """`batch` sequences of `length` tokens each; with a cache, sequence b owns its block b."""
+        spans = [SeqSpan(b * length, length, start_pos) for b in range(batch)]
+        tables = [[b] for b in range(batch)] if cache is not None else None
+        return cls.build(spans, cache, tables, device)

@@ -108,7 +108,17 @@ class CheckpointReader:
 
     def total_bytes(self) -> int:
         """Size of every tensor in the checkpoint (from the headers; nothing is read)."""
-        sizes = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "I64": 8, "F64": 8, "I32": 4, "U8": 1, "BOOL": 1}
+        sizes = {
+            "F8_E4M3": 1,
+            "BF16": 2,
+            "F16": 2,
+            "F32": 4,
+            "I64": 8,
+            "F64": 8,
+            "I32": 4,
+            "U8": 1,
+            "BOOL": 1,
+        }
         total = 0
         for name in self.weight_map:
             sl = self._slice(name)

@@ -1,49 +1,61 @@
-"""The latent KV cache of MLA: per token and layer only c_kv (kv_lora_rank) and rotated k_pe (rope dim)."""
+"""The latent KV cache of MLA, paged: per token and layer only [c_kv | k_pe] (kv_lora_rank + rope
+dim values, 576 for DeepSeek-V3), in fixed-size blocks that sequences address through block tables.
+
+A contiguous per-sequence cache is the special case of one block per sequence (block_size = max_len,
+sequence b in block b), which is what the rectangular `Transformer.forward` API uses.
+"""
 
 from __future__ import annotations
 
 import torch
 
+import kernels
+
 from .config import ModelArgs
 
 
-class LatentCache:
-    """Contiguous per-sequence cache for `batch` sequences of up to `max_len` tokens.
-
-    `layer_ids` are the (global) layers it stores, by default all main layers; a pipeline stage
-    passes only its own.
-    """
-
+class PagedLatentCache:
     def __init__(
         self,
         args: ModelArgs,
-        batch: int,
-        max_len: int,
+        num_blocks: int,
+        block_size: int,
         layer_ids: list[int] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
         layer_ids = list(range(args.num_hidden_layers)) if layer_ids is None else layer_ids
-        self.slot = {layer: i for i, layer in enumerate(layer_ids)}
-        n_layers = len(layer_ids)
-        self.max_len = max_len
-        self.kv = torch.zeros(n_layers, batch, max_len, args.kv_lora_rank, dtype=dtype, device=device)
-        self.pe = torch.zeros(n_layers, batch, max_len, args.qk_rope_head_dim, dtype=dtype, device=device)
+        self.slot_of_layer = {layer: i for i, layer in enumerate(layer_ids)}
+        self.kv_rank = args.kv_lora_rank
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+        self.pool = torch.zeros(len(layer_ids), num_blocks, block_size, width, dtype=dtype, device=device)
 
-    def write(
-        self, layer: int, row: int, start: int, kv: torch.Tensor, pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one sequence's chunk kv [T, rank], pe [T, rope] at positions [start, start+T) of
-        cache row `row`, and return that row's entries up to the chunk's end."""
-        end = start + kv.shape[0]
-        if end > self.max_len:
-            raise ValueError(f"sequence of {end} tokens exceeds the cache's max_len={self.max_len}")
-        i = self.slot[layer]
-        self.kv[i, row, start:end] = kv
-        self.pe[i, row, start:end] = pe
-        return self.kv[i, row, :end], self.pe[i, row, :end]
+    @staticmethod
+    def bytes_per_token(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:
+        return (args.kv_lora_rank + args.qk_rope_head_dim) * n_layers * torch.finfo(dtype).bits // 8
 
-    @property
-    def bytes_per_token(self) -> int:
-        per_layer = self.kv.shape[-1] + self.pe.shape[-1]
-        return per_layer * self.kv.shape[0] * self.kv.element_size()
+    def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor) -> None:
+        """Write tokens' latents (kv [N, C], pe [N, P]) at flat slots (block * block_size + offset)."""
+        flat = self.pool[self.slot_of_layer[layer]].view(-1, self.pool.shape[-1])
+        flat[slots] = torch.cat([kv, pe], dim=-1).to(flat.dtype)
+
+    def gather(self, layer: int, block_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's first `length` cached tokens as contiguous (kv [L, C], pe [L, P])."""
+        n_blocks = -(-length // self.block_size)
+        latent = self.pool[self.slot_of_layer[layer], block_row[:n_blocks]].flatten(0, 1)[:length]
+        return latent[:, : self.kv_rank], latent[:, self.kv_rank :]
+
+    def decode(
+        self,
+        layer: int,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Absorbed-form attention of single query rows over their cached sequences: [R, H, C]."""
+        cache = self.pool[self.slot_of_layer[layer]]
+        return kernels.paged_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)

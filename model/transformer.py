@@ -14,7 +14,7 @@ from torch import nn
 from .attention import MLA, AttnImpl
 from .batch import BatchLayout
 from .config import ModelArgs
-from .kv_cache import LatentCache
+from .kv_cache import PagedLatentCache
 from .linear import Linear
 from .mlp import MLP
 from .moe import MoE
@@ -114,15 +114,27 @@ class Transformer(nn.Module):
         return self.head(layer.shared_head.norm(x))
 
     # -- the rectangular API: input_ids [B, T], all sequences at the same positions --
-    def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        """A latent cache for the layers (and MTP layers) this module holds, in its dtype and device."""
+    def layer_ids(self) -> list[int]:
+        """Global indices of the decoder (and MTP) layers this module holds."""
+        return [int(i) for i in self.model.layers] + [layer.layer_id for layer in self.mtp]
+
+    def compute_dtype(self) -> torch.dtype:
         # Norm weights are never quantized: their dtype is the compute dtype.
-        ref = next(iter(self.model.layers.values())).input_layernorm.weight
-        layer_ids = [int(i) for i in self.model.layers] + [layer.layer_id for layer in self.mtp]
-        return LatentCache(self.args, batch, max_len, layer_ids, dtype=ref.dtype, device=ref.device)
+        return next(iter(self.model.layers.values())).input_layernorm.weight.dtype
+
+    def new_paged_cache(
+        self, num_blocks: int, block_size: int, dtype: torch.dtype | None = None
+    ) -> PagedLatentCache:
+        device = next(iter(self.model.layers.values())).input_layernorm.weight.device
+        dtype = dtype or self.compute_dtype()
+        return PagedLatentCache(self.args, num_blocks, block_size, self.layer_ids(), dtype, device)
+
+    def new_cache(self, batch: int, max_len: int) -> PagedLatentCache:
+        """A contiguous cache for `batch` sequences of up to max_len tokens (one block each)."""
+        return self.new_paged_cache(batch, max_len)
 
     def hidden_states(
-        self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None
+        self, input_ids: torch.Tensor, start_pos: int = 0, cache: PagedLatentCache | None = None
     ) -> torch.Tensor:
         """Final-normed hidden states [B, T, dim] for tokens at positions start_pos..start_pos+T-1."""
         b, t = input_ids.shape
@@ -131,7 +143,7 @@ class Transformer(nn.Module):
         return self.final_norm(x).view(b, t, -1)
 
     def forward(
-        self, input_ids: torch.Tensor, start_pos: int = 0, cache: LatentCache | None = None
+        self, input_ids: torch.Tensor, start_pos: int = 0, cache: PagedLatentCache | None = None
     ) -> torch.Tensor:
         """Logits [B, T, vocab]; with a cache, earlier positions come from it and new ones are stored."""
         return self.head(self.hidden_states(input_ids, start_pos, cache))
@@ -141,7 +153,7 @@ class Transformer(nn.Module):
         hidden: torch.Tensor,
         next_ids: torch.Tensor,
         start_pos: int = 0,
-        cache: LatentCache | None = None,
+        cache: PagedLatentCache | None = None,
         depth: int = 0,
     ) -> torch.Tensor:
         """Logits [B, T, vocab] for token i+2 from `hidden` (main model, position i) and `next_ids` (i+1)."""

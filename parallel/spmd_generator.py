@@ -116,10 +116,10 @@ class SpmdGenerator:
         ids, spans, offset = [], [], 0
         for seq in group:
             chunk, start = seq.next_chunk()
-            spans.append(SeqSpan(offset, len(chunk), start, seq.row))
+            spans.append(SeqSpan(offset, len(chunk), start))
             ids.extend(chunk)
             offset += len(chunk)
-        layout = BatchLayout.from_spans(spans, cache, mesh.device)
+        layout = BatchLayout.build(spans, cache, [[s.row] for s in group], mesh.device)
         if mesh.is_first_stage:
             x = model.embed(torch.tensor(ids, dtype=torch.long, device=mesh.device))
         else:

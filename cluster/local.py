@@ -1,0 +1,39 @@
+"""Worker processes on this machine, handed the torchrun env contract (the `local` backend)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from .rendezvous import RankEnv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_workers(
+    world_size: int, module: str, args: list[str], port: int, extra_env: Mapping[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """Start ranks 1..world_size-1 as `python -m module *args`; rank 0 is the calling process."""
+    procs = []
+    for rank in range(1, world_size):
+        contract = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port).as_env()
+        env = {**os.environ, **(extra_env or {}), **contract}
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
+    return procs
+
+
+def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """Wait for workers to exit; kill (by pid) any that do not."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -1,0 +1,144 @@
+"""Triton paged MLA decode attention; same signature and numerics as `mla_decode_reference`.
+
+One program per (query row, block of heads) walks the row's tokens in tiles with an online softmax
+(flash-decoding without the split over the sequence), fp32 statistics and accumulator. All heads share one
+latent key per token, so a program loads each token's [c | k_pe] once for all of its heads.
+
+Under the Triton interpreter (TRITON_INTERPRET=1) float->bf16 casts truncate (triton issue 8322), so there
+the dots run in fp32 and the kernel writes fp32 that torch casts; on a GPU 16-bit caches go through the
+tensor cores with the probabilities cast to the cache dtype, as flash attention does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Heads per program: 16 is tl.dot's minimum tile side on a GPU; fewer heads are masked.
+HEADS_PER_PROGRAM = 16
+# Tokens per tile of the online softmax: a tile may span several cache blocks or part of one.
+TOKENS_PER_TILE = 32
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _dot(a, b, FP32: tl.constexpr):
+    """a @ b with fp32 accumulation; IEEE fp32 inputs when FP32 (no tf32), else b's 16-bit dtype."""
+    if FP32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(b.dtype), b)
+    return out
+
+
+@triton.jit
+def _paged_mla_decode_kernel(
+    q_ptr,
+    q_pe_ptr,
+    cache_ptr,
+    table_ptr,
+    lens_ptr,
+    out_ptr,
+    scale,
+    H,
+    stride_block,
+    stride_slot,
+    stride_table,
+    C: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cs = tl.arange(0, BLOCK_C)
+    ps = tl.arange(0, BLOCK_P)
+    head_ok = heads < H
+    c_ok = cs < C
+    p_ok = ps < P
+    # q_latent, q_pe and out are contiguous [R, H, *]; padded heads and columns read as zeros.
+    qh = row * H + heads
+    q = tl.load(q_ptr + qh[:, None] * C + cs[None, :], mask=head_ok[:, None] & c_ok[None, :], other=0.0)
+    q_pe = tl.load(q_pe_ptr + qh[:, None] * P + ps[None, :], mask=head_ok[:, None] & p_ok[None, :], other=0.0)
+
+    seq_len = tl.load(lens_ptr + row)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        tok_ok = pos < seq_len
+        # Each token finds its block through the table; tokens past the end (partial last tile) load
+        # nothing, so their block ids (-1, stale) and slots (uninitialized) are never touched.
+        block = tl.load(table_ptr + row * stride_table + pos // BLOCK_SIZE, mask=tok_ok, other=0)
+        tok = cache_ptr + block.to(tl.int64) * stride_block + (pos % BLOCK_SIZE) * stride_slot
+        c = tl.load(tok[:, None] + cs[None, :], mask=tok_ok[:, None] & c_ok[None, :], other=0.0)
+        k_pe = tl.load(tok[:, None] + C + ps[None, :], mask=tok_ok[:, None] & p_ok[None, :], other=0.0)
+
+        s = _dot(q, tl.trans(c), FP32_DOT) + _dot(q_pe, tl.trans(k_pe), FP32_DOT)
+        s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
+        # Online softmax: rescale what was summed so far to the new running max. Every tile holds at least
+        # one real token (start < seq_len), so m_new is finite and no -inf - -inf appears.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p, c, FP32_DOT)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + qh[:, None] * C + cs[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & c_ok[None, :])
+
+
+def _tile(n: int) -> int:
+    """Power-of-two tile side covering n, at least 16 (tl.dot's minimum on a GPU)."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def paged_mla_decode_triton(
+    q_latent: Tensor, q_pe: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    r, h, c_dim = q_latent.shape
+    p_dim = q_pe.shape[-1]
+    assert cache.shape[-1] == c_dim + p_dim, f"cache rows {cache.shape[-1]} != C + P = {c_dim + p_dim}"
+    # The cache is large and paged in place: index it through its strides instead of copying it.
+    assert cache.stride(-1) == 1, "cache's last dim must be contiguous"
+    interpreting = _interpreting()
+    out_dtype = torch.float32 if interpreting else q_latent.dtype
+    out = torch.empty(r, h, c_dim, dtype=out_dtype, device=q_latent.device)
+    table = block_table.contiguous()
+    grid = (r, triton.cdiv(h, HEADS_PER_PROGRAM))
+    _paged_mla_decode_kernel[grid](
+        q_latent.contiguous(),
+        q_pe.contiguous(),
+        cache,
+        table,
+        seq_lens.contiguous(),
+        out,
+        scale,
+        h,
+        cache.stride(0),
+        cache.stride(1),
+        table.stride(0),
+        C=c_dim,
+        P=p_dim,
+        BLOCK_SIZE=cache.shape[1],
+        BLOCK_H=HEADS_PER_PROGRAM,
+        BLOCK_C=_tile(c_dim),
+        BLOCK_P=_tile(p_dim),
+        BLOCK_N=TOKENS_PER_TILE,
+        FP32_DOT=interpreting or cache.dtype == torch.float32,
+    )
+    return out.to(q_latent.dtype)

@@ -1,0 +1,301 @@
+"""The engine: every rank runs it; rank 0 also faces the user.
+
+Each step rank 0 broadcasts a command (new sequences with the DP replica each goes to, aborts, or
+stop); every rank then schedules its replica's sequences with the same deterministic scheduler, runs
+the step, and applies the same sampled tokens, so the replicas' ranks never disagree. The replica
+reporters (last stage, tp index 0) send their tokens and log-probabilities to rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from model.kv_cache import PagedLatentCache
+from model.tokenizer import Tokenizer
+from parallel.mesh import ParallelMesh
+from parallel.sharded_model import load_shard
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .memory import available_bytes, num_blocks_for
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sampler import SampledToken
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: int
+    request_id: str
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    replica: int
+
+
+@dataclass
+class StepCommand:
+    new: list[NewSequence] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    stop: bool = False
+
+
+@dataclass
+class SeqUpdate:
+    seq_id: int
+    token: int | None  # None: nothing sampled this step (aborted)
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+    finish_reason: str | None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    replica: int
+    unfinished: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        mesh: ParallelMesh,
+        config: EngineConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        fp8: str = "auto",
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.mesh = mesh
+        self.tokenizer = Tokenizer.from_dir(model_path)
+        self.model = load_shard(model_path, mesh, dtype, fp8)
+        args = self.model.args
+        self.max_model_len = self.config.max_model_len or min(args.max_position_embeddings, 8192)
+        self.cache = self._allocate_cache()
+        self.blocks = BlockManager(self.cache.num_blocks, self.config.block_size)
+        sched = SchedulerConfig(
+            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(sched, self.blocks)
+        micro = self.config.micro_batches or mesh.shape.pp
+        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.tokenizer.eos_id)
+        self.seqs: dict[int, Sequence] = {}
+        # Front-end state, meaningful on rank 0 only.
+        self.requests: dict[str, _RequestState] = {}
+        self._seq_owner: dict[int, tuple[str, int]] = {}
+        self._next_seq_id = 0
+        self._pending = StepCommand()
+        self._replica_load = [0] * mesh.shape.dp
+
+    # ---- cache sizing: every rank must end up with the same number of blocks ----
+    def _allocate_cache(self) -> PagedLatentCache:
+        cfg, model = self.config, self.model
+        per_token = PagedLatentCache.bytes_per_token(
+            model.args, len(model.layer_ids()), model.compute_dtype()
+        )
+        budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
+        n = torch.tensor([num_blocks_for(budget, per_token * cfg.block_size)])
+        n = int(self.mesh.world.all_reduce_min(n).item())
+        return model.new_paged_cache(n, cfg.block_size)
+
+    # ---- front end (rank 0) ----
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens does not fit max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
+        if self.blocks.blocks_needed(len(prompt_ids) + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens needs more KV blocks than the "
+                f"cache has ({self.blocks.num_blocks} of {self.blocks.block_size}); raise kv_cache_memory"
+            )
+        replica = min(range(len(self._replica_load)), key=self._replica_load.__getitem__)
+        outputs = [CompletionOutput(i, "", []) for i in range(params.n)]
+        self.requests[request_id] = _RequestState(
+            request_id,
+            prompt,
+            list(prompt_ids),
+            params,
+            outputs,
+            RequestMetrics(time.perf_counter()),
+            replica,
+            params.n,
+        )
+        for i in range(params.n):
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
+            self._seq_owner[seq_id] = (request_id, i)
+            self._pending.new.append(NewSequence(seq_id, request_id, i, list(prompt_ids), params, replica))
+        self._replica_load[replica] += params.n
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self._pending.aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(r.unfinished for r in self.requests.values())
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step on every rank; returns the requests that progressed (rank 0)."""
+        command, self._pending = self._pending, StepCommand()
+        self._broadcast(command)
+        updates = self._execute(command)
+        return self._apply(updates)
+
+    def shutdown(self) -> None:
+        """Release the worker ranks from their loop (rank 0)."""
+        if self.mesh.world.size > 1:
+            self._broadcast(StepCommand(stop=True))
+
+    def worker_loop(self) -> None:
+        """Ranks other than 0: follow rank 0's commands until it stops."""
+        while True:
+            command = self._broadcast(None)
+            if command.stop:
+                return
+            self._execute(command)
+
+    def _broadcast(self, command: StepCommand | None) -> StepCommand:
+        if self.mesh.world.size == 1:
+            return command
+        box = [command]
+        dist.broadcast_object_list(box, src=self.mesh.global_ranks[0], group=self.mesh.world.pg)
+        return box[0]
+
+    # ---- every rank ----
+    def _execute(self, command: StepCommand) -> list[SeqUpdate]:
+        updates: list[SeqUpdate] = []
+        for new in command.new:
+            if new.replica == self.mesh.dp_index:
+                seed = (
+                    new.params.seed + new.index
+                    if new.params.seed is not None
+                    else self.config.seed + new.seq_id
+                )
+                seq = Sequence(
+                    new.seq_id,
+                    new.request_id,
+                    new.index,
+                    new.prompt,
+                    new.params,
+                    torch.Generator().manual_seed(seed),
+                )
+                self.seqs[new.seq_id] = seq
+                self.scheduler.add(seq)
+        for request_id in command.aborts:
+            for seq in [s for s in self.seqs.values() if s.request_id == request_id]:
+                self._finish(seq, "abort")
+                updates.append(SeqUpdate(seq.seq_id, None, None, None, "abort"))
+        plan = self.scheduler.schedule()
+        sampled = self.runner.step(plan)
+        for chunk in plan:
+            self.scheduler.computed(chunk)
+        for chunk in plan:
+            if chunk.samples:
+                updates.append(self._accept(chunk.seq, sampled[chunk.seq.seq_id]))
+        return self._gather(updates)
+
+    def _accept(self, seq: Sequence, sampled: SampledToken) -> SeqUpdate:
+        seq.output.append(sampled.token)
+        reason = self._finish_reason(seq, sampled.token)
+        if reason:
+            self._finish(seq, reason)
+        return SeqUpdate(seq.seq_id, sampled.token, sampled.logprob, sampled.top_logprobs, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(seq.output)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                seq.stop_text_at = min(hits)
+                return "stop"
+        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        del self.seqs[seq.seq_id]
+
+    def _gather(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
+        """Rank 0 collects every replica's updates, as its reporter rank saw them."""
+        mesh = self.mesh
+        if mesh.world.size == 1:
+            return updates
+        reporter = mesh.is_last_stage and mesh.tp_index == 0
+        parts = [None] * mesh.world.size if mesh.rank == 0 else None
+        dist.gather_object(updates if reporter else [], parts, dst=mesh.global_ranks[0], group=mesh.world.pg)
+        return [u for part in parts for u in part] if mesh.rank == 0 else []
+
+    # ---- rank 0: turn updates into outputs ----
+    def _apply(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        touched: dict[str, _RequestState] = {}
+        for u in updates:
+            request_id, index = self._seq_owner[u.seq_id]
+            state = self.requests[request_id]
+            out = state.outputs[index]
+            if u.token is not None:
+                out.token_ids.append(u.token)
+                state.metrics.first_token = state.metrics.first_token or now
+                if state.params.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + [u.top_logprobs or {}]
+                    out.token_logprobs = (out.token_logprobs or []) + [u.logprob]
+            if u.finish_reason:
+                out.finish_reason = u.finish_reason
+                state.unfinished -= 1
+                self._replica_load[state.replica] -= 1
+                if state.unfinished == 0:
+                    state.metrics.finished = now
+            touched[request_id] = state
+        return [self._output(state) for state in touched.values()]
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        if state.unfinished == 0:  # text once, at the end; streaming callers decode token_ids themselves
+            for out in state.outputs:
+                out.text = self._text(out, state.params)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_ids,
+            state.outputs,
+            finished=state.unfinished == 0,
+            metrics=state.metrics,
+        )
+
+    def _text(self, out: CompletionOutput, params: SamplingParams) -> str:
+        text = self.tokenizer.decode(out.token_ids)
+        for s in params.stop:  # the output ends before the first stop string
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        return text
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's front-end state."""
+        state = self.requests.pop(request_id)
+        for seq_id in [s for s, (r, _) in self._seq_owner.items() if r == state.request_id]:
+            del self._seq_owner[seq_id]

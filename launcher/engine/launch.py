@@ -1,0 +1,57 @@
+"""Everything needed to build the same engine on every rank, as one serializable spec."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.rendezvous import RankEnv, init_distributed
+from parallel.mesh import MeshShape, ParallelMesh
+
+from .config import EngineConfig
+from .engine import LLMEngine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+
+
+@dataclass
+class EngineSpec:
+    model: str
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    dtype: str = "auto"  # auto: bfloat16 on GPUs, float32 on the CPU (bf16 matmuls are slow there)
+    fp8: str = "auto"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        MeshShape(self.dp, self.pp, self.tp)  # validates sizes
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> EngineSpec:
+        data = json.loads(text)
+        return cls(**{**data, "engine": EngineConfig(**data["engine"])})
+
+
+def build_engine(spec: EngineSpec, rank_env: RankEnv | None = None) -> LLMEngine:
+    """Join the job (if several ranks), build the mesh and this rank's engine."""
+    env = rank_env or RankEnv.from_env()
+    backend = init_distributed(env, spec.engine.timeout_s)
+    if spec.world > 1:
+        mesh = ParallelMesh.build(MeshShape(spec.dp, spec.pp, spec.tp), spec.engine.timeout_s)
+    else:
+        mesh = ParallelMesh.single("cuda" if backend == "nccl" else "cpu")
+    dtype = DTYPES[spec.dtype] or (torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
+    return LLMEngine(spec.model, mesh, spec.engine, dtype, spec.fp8)

@@ -1,0 +1,136 @@
+"""Continuous batching with chunked prefill over a paged cache, for one DP replica.
+
+Every step: running sequences first (decodes cost one token each; an unfinished prompt continues),
+oldest first; then waiting ones in arrival order while the token budget and free blocks last. A new
+sequence reuses cached blocks of a shared prompt prefix. When blocks run out mid-step the youngest
+running sequence is preempted: its blocks are released and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed this step
+    length: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the sequence's last token, so a next token is sampled."""
+        return self.start + self.length == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: s.seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.config.max_num_batched_tokens
+        plan: list[ScheduledChunk] = []
+        for seq in sorted(self.running, key=lambda s: s.seq_id):
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or out of budget
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, seq.num_computed + n):
+                continue
+            plan.append(ScheduledChunk(seq, seq.num_computed, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            chunk = self._admit(self.waiting[0], budget)
+            if chunk is None:
+                break
+            self.waiting.pop(0)
+            self.running.append(chunk.seq)
+            plan.append(chunk)
+            budget -= chunk.length
+        return plan
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        cached: list[int] = []
+        if self.config.enable_prefix_caching:
+            # Leave at least one token to compute: its logits give the next token.
+            cached = self.blocks.match_prefix(seq.tokens[: seq.num_tokens - 1])
+        n_cached = len(cached) * self.blocks.block_size
+        n = min(seq.num_tokens - n_cached, budget)
+        fresh = self.blocks.blocks_needed(n_cached + n) - len(cached)
+        if fresh > self.blocks.num_free - sum(self.blocks.blocks[b].ref_count == 0 for b in cached):
+            return None
+        self.blocks.acquire_cached(cached)
+        seq.block_ids = cached + [self.blocks.allocate() for _ in range(fresh)]
+        seq.block_hashes = self._chain(seq, len(cached))
+        seq.num_computed = n_cached
+        seq.status = SeqStatus.RUNNING
+        return ScheduledChunk(seq, n_cached, n)
+
+    def _chain(self, seq: Sequence, n_blocks: int) -> list[int]:
+        hashes, prev, size = [], None, self.blocks.block_size
+        for b in range(n_blocks):
+            prev = self.blocks.chain_hash(prev, tuple(seq.tokens[b * size : (b + 1) * size]))
+            hashes.append(prev)
+        return hashes
+
+    def _grow(self, seq: Sequence, n_tokens: int) -> bool:
+        """Give `seq` blocks for n_tokens, preempting the youngest others; False if seq itself went."""
+        while len(seq.block_ids) < self.blocks.blocks_needed(n_tokens):
+            if self.blocks.num_free == 0:
+                victim = max(
+                    (s for s in self.running if s.status is SeqStatus.RUNNING), key=lambda s: s.seq_id
+                )
+                self.preempt(victim)
+                if victim is seq:
+                    return False
+                continue
+            seq.block_ids.append(self.blocks.allocate())
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_ids)
+        seq.reset_for_recompute()
+        self.running.remove(seq)
+        self.add(seq)
+        self.preemptions += 1
+
+    def computed(self, chunk: ScheduledChunk) -> None:
+        """After a step: the chunk's latents are cached; seal blocks it filled for prefix reuse."""
+        seq = chunk.seq
+        seq.num_computed = chunk.start + chunk.length
+        size = self.blocks.block_size
+        while len(seq.block_hashes) < seq.num_computed // size:
+            b = len(seq.block_hashes)
+            prev = seq.block_hashes[-1] if seq.block_hashes else None
+            tokens = tuple(seq.tokens[b * size : (b + 1) * size])
+            seq.block_hashes.append(self.blocks.seal(seq.block_ids[b], prev, tokens))
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.FINISHED
+        self.blocks.release(seq.block_ids)
+        seq.block_ids = []
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,123 @@
+"""The offline Python API, in the vLLM style:
+
+    from launcher import LLM, SamplingParams
+    llm = LLM(model="path/to/checkpoint", tp=2)
+    outputs = llm.generate(["What is 2+2?"], SamplingParams(temperature=0, max_tokens=32))
+
+With tp*dp*pp > 1 the calling process is rank 0 and the other ranks are started on this machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from cluster.local import free_port, spawn_workers, stop_workers
+from cluster.rendezvous import RankEnv
+
+from .engine.config import EngineConfig
+from .engine.launch import EngineSpec, build_engine
+from .engine.outputs import RequestOutput
+from .engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        tp: int = 1,
+        dp: int = 1,
+        pp: int = 1,
+        dtype: str = "auto",
+        fp8: str = "auto",
+        **engine_options: Any,
+    ) -> None:
+        """engine_options: any EngineConfig field (max_model_len, kv_cache_memory, kv_cache_fraction,
+        block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, speculative...)."""
+        unknown = set(engine_options) - {f for f in EngineConfig.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"unknown LLM option(s) {', '.join(sorted(unknown))}: see EngineConfig")
+        self.spec = EngineSpec(str(model), tp, dp, pp, dtype, fp8, EngineConfig(**engine_options))
+        self._workers = []
+        rank_env = None
+        if self.spec.world > 1:
+            port = free_port()
+            self._workers = spawn_workers(
+                self.spec.world, "launcher.engine.worker", [self.spec.to_json()], port
+            )
+            rank_env = RankEnv(0, 0, self.spec.world, self.spec.world, "127.0.0.1", port)
+        self.engine = build_engine(self.spec, rank_env)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(list(prompt)), None
+        if all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            token_ids, text = self._encode(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, token_ids, p, text)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation (or several) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate(conversations, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    self.engine.release(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return [done[r] for r in request_ids]
+
+    def shutdown(self) -> None:
+        if self._workers:
+            self.engine.shutdown()
+            stop_workers(self._workers)
+            self._workers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

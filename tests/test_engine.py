@@ -1,0 +1,126 @@
+"""The serving engine against plain one-sequence generation (itself checked against transformers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import add_byte_tokenizer, make_hf_model
+
+from launcher import LLM, SamplingParams
+from model import load_model
+from model.generate import generate
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[0, 5, 6, 7, 8, 9], [0] + [3] * 11, [0, 9, 10], [0, 5, 6, 7, 8, 9, 11, 12], [0, 44] * 9]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(add_byte_tokenizer(make_hf_model(tmp_path_factory.mktemp("tiny"), "v3", num_hidden_layers=4)))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model = load_model(checkpoint)
+    return {tuple(p): generate(model, p, GREEDY.max_tokens) for p in PROMPTS}
+
+
+def run_all(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_batched_requests_match_each_run_alone(checkpoint, reference):
+    with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
+        assert run_all(llm) == [reference[tuple(p)] for p in PROMPTS]
+
+
+def test_requests_joining_a_running_batch(checkpoint, reference):
+    with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
+        engine, done = llm.engine, {}
+        for i, prompt in enumerate(PROMPTS):  # one new request every other step
+            engine.add_request(str(i), prompt, GREEDY)
+            for _ in range(2):
+                for out in engine.step():
+                    done[out.request_id] = out
+        while engine.has_unfinished():
+            for out in engine.step():
+                done[out.request_id] = out
+        assert [done[str(i)].outputs[0].token_ids for i in range(len(PROMPTS))] == [
+            reference[tuple(p)] for p in PROMPTS
+        ]
+
+
+def test_chunked_prefill_under_a_small_token_budget(checkpoint, reference):
+    with LLM(checkpoint, kv_cache_memory=4_000_000, max_num_batched_tokens=5) as llm:
+        assert run_all(llm) == [reference[tuple(p)] for p in PROMPTS]
+
+
+def test_preemption_with_a_tiny_block_budget_keeps_outputs(checkpoint, reference):
+    bytes_per_block = 4 * (16 + 8) * 4 * 4  # block_size 4, latent 16+8, 4 layers, fp32
+    with LLM(checkpoint, kv_cache_memory=12 * bytes_per_block, block_size=4) as llm:
+        assert llm.engine.blocks.num_blocks == 12
+        assert run_all(llm) == [reference[tuple(p)] for p in PROMPTS]
+        assert llm.engine.scheduler.preemptions > 0
+
+
+def test_prefix_cache_hits_are_counted_and_change_nothing(checkpoint):
+    shared = [0] + list(range(20, 36))  # 17 tokens: 4 full blocks of 4 shared
+    prompts = [shared + [40, 41], shared + [50]]
+    model = load_model(checkpoint)
+    with LLM(checkpoint, kv_cache_memory=4_000_000, block_size=4) as llm:
+        first = run_all(llm, prompts[:1])
+        hits_before = llm.engine.blocks.stats.prefix_hit_tokens
+        second = run_all(llm, prompts[1:])
+        assert llm.engine.blocks.stats.prefix_hit_tokens - hits_before == 16
+    assert first + second == [generate(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_sampling_with_seed_matches_plain_sampling_and_n_samples_differ(checkpoint):
+    model = load_model(checkpoint)
+    params = SamplingParams(temperature=0.9, max_tokens=10, seed=11, ignore_eos=True, n=3)
+    with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
+        outs = llm.generate([PROMPTS[0]], params)[0].outputs
+    expected = [
+        generate(model, PROMPTS[0], 10, 0.9, generator=torch.Generator().manual_seed(11 + i))
+        for i in range(3)
+    ]
+    assert [o.token_ids for o in outs] == expected
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_stop_conditions_and_logprobs(checkpoint, reference):
+    ref = reference[tuple(PROMPTS[1])]
+    with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
+        by_token = llm.generate(
+            [PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ref[3]])
+        )
+        assert by_token[0].outputs[0].token_ids == ref[: ref.index(ref[3]) + 1]
+        assert by_token[0].outputs[0].finish_reason == "stop"
+        full_text = llm.tokenizer.decode(ref)
+        stop = full_text[4:6]
+        by_text = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[
+            0
+        ].outputs[0]
+        assert by_text.finish_reason == "stop" and stop not in by_text.text
+        assert full_text.startswith(by_text.text)
+        lp = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0].outputs[0]
+        assert len(lp.logprobs) == 4 and all(len(top) == 3 for top in lp.logprobs)
+        assert all(lp.token_ids[i] in lp.logprobs[i] for i in range(4))  # greedy picks the top token
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1), ("top_p", 0), ("top_k", 0), ("max_tokens", 0), ("min_tokens", 99), ("n", 0),
+     ("logprobs", 50), ("stop", [""])],
+)  # fmt: skip
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_are_refused_clearly(checkpoint):
+    with LLM(checkpoint, kv_cache_memory=4_000_000, max_model_len=32) as llm:
+        with pytest.raises(ValueError, match="max_model_len=32"):
+            llm.generate([[0] * 40], GREEDY)
+        with pytest.raises(ValueError, match="unknown LLM option"):
+            LLM(checkpoint, kv_cach_memory=1)
