@@ -14,6 +14,7 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "convert": "launcher.convert_cmd",
     "demo": "launcher.demo",
+    "plan": "launcher.plan_cmd",
 }
 
 

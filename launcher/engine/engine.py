@@ -22,11 +22,10 @@ from parallel.sharded_model import load_shard
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .memory import available_bytes, num_blocks_for
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepResult
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampler import SampledToken
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from .sequence import Sequence
 
 
@@ -57,6 +56,16 @@ class SeqUpdate:
 
 
 @dataclass
+class SpecStats:
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+@dataclass
 class _RequestState:
     request_id: str
     prompt: str | None
@@ -80,7 +89,14 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.mesh = mesh
         self.tokenizer = Tokenizer.from_dir(model_path)
-        self.model = load_shard(model_path, mesh, dtype, fp8)
+        use_mtp = self.config.speculative == "mtp"
+        if use_mtp and mesh.shape.pp > 1:
+            raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
+        self.model = load_shard(model_path, mesh, dtype, fp8, with_mtp=use_mtp)
+        if use_mtp and not len(self.model.mtp):
+            raise ValueError(
+                f"speculative='mtp' but {model_path} has no MTP weights (num_nextn_predict_layers)"
+            )
         args = self.model.args
         self.max_model_len = self.config.max_model_len or min(args.max_position_embeddings, 8192)
         self.cache = self._allocate_cache()
@@ -90,7 +106,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched, self.blocks)
         micro = self.config.micro_batches or mesh.shape.pp
-        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.tokenizer.eos_id)
+        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.tokenizer.eos_id, use_mtp)
+        self.spec_stats = SpecStats()
         self.seqs: dict[int, Sequence] = {}
         # Front-end state, meaningful on rank 0 only.
         self.requests: dict[str, _RequestState] = {}
@@ -206,20 +223,34 @@ class LLMEngine:
                 self._finish(seq, "abort")
                 updates.append(SeqUpdate(seq.seq_id, None, None, None, "abort"))
         plan = self.scheduler.schedule()
-        sampled = self.runner.step(plan)
+        results = self.runner.step(plan)
         for chunk in plan:
-            self.scheduler.computed(chunk)
-        for chunk in plan:
-            if chunk.samples:
-                updates.append(self._accept(chunk.seq, sampled[chunk.seq.seq_id]))
+            if not chunk.samples:
+                self.scheduler.computed(chunk)
+                continue
+            seq_updates = self._accept(chunk, results[chunk.seq.seq_id])
+            updates.extend(seq_updates)
+            if seq_updates[-1].finish_reason:
+                self._finish(chunk.seq, seq_updates[-1].finish_reason)
         return self._gather(updates)
 
-    def _accept(self, seq: Sequence, sampled: SampledToken) -> SeqUpdate:
-        seq.output.append(sampled.token)
-        reason = self._finish_reason(seq, sampled.token)
-        if reason:
-            self._finish(seq, reason)
-        return SeqUpdate(seq.seq_id, sampled.token, sampled.logprob, sampled.top_logprobs, reason)
+    def _accept(self, chunk: ScheduledChunk, result: StepResult) -> list[SeqUpdate]:
+        """Append the step's tokens (kept draft tokens, then the sampled one) up to any finish."""
+        seq, updates, reason = chunk.seq, [], None
+        for sampled in result.tokens:
+            seq.output.append(sampled.token)
+            reason = self._finish_reason(seq, sampled.token)
+            updates.append(
+                SeqUpdate(seq.seq_id, sampled.token, sampled.logprob, sampled.top_logprobs, reason)
+            )
+            if reason:
+                break
+        kept = len(result.tokens) - 1
+        self.spec_stats.drafted += len(chunk.draft)
+        self.spec_stats.accepted += kept
+        self.scheduler.computed(chunk, accepted_drafts=min(kept, len(updates) - 1))
+        seq.draft = result.draft
+        return updates
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -227,9 +258,7 @@ class LLMEngine:
             return "stop"
         if p.stop:
             text = self.tokenizer.decode(seq.output)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                seq.stop_text_at = min(hits)
+            if any(s in text for s in p.stop):
                 return "stop"
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

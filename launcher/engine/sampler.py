@@ -1,5 +1,11 @@
 """Next tokens for a batch of sequences, each with its own settings and seeded generator, so a
-sequence draws the same tokens whatever batch, replica or layout it runs in."""
+sequence draws the same tokens whatever batch, replica or layout it runs in.
+
+With a speculative draft, the target rows are checked in order: greedy keeps a draft token while it
+is the argmax; sampling keeps it with probability p(draft) and otherwise draws from p without it
+(the draft is a point guess, so this is exact rejection sampling: outputs keep the target
+distribution). After the last kept draft token one more token is drawn from its row.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +23,9 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
-def _banned_while_short(seq: Sequence, eos_id: int | None) -> list[int]:
-    """Tokens that would end the output before min_tokens."""
-    if len(seq.output) >= seq.params.min_tokens:
+def _banned_while_short(seq: Sequence, n_new: int, eos_id: int | None) -> list[int]:
+    """Tokens that would end the output before min_tokens (n_new: tokens already taken this step)."""
+    if len(seq.output) + n_new >= seq.params.min_tokens:
         return []
     ends = list(seq.params.stop_token_ids)
     if eos_id is not None and not seq.params.ignore_eos:
@@ -41,28 +47,47 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample_next(logits: torch.Tensor, seqs: list[Sequence], eos_id: int | None) -> list[SampledToken]:
-    """logits [R, vocab] (fp32) for the R sequences, in order."""
-    logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-    out = []
-    for i, seq in enumerate(seqs):
-        row = logits[i]
-        banned = _banned_while_short(seq, eos_id)
-        if banned:
-            row = row.clone()
-            row[banned] = float("-inf")
-        p = seq.params
-        if p.greedy:
-            token = int(row.argmax())
+def _target(row: torch.Tensor, seq: Sequence, n_new: int, eos_id: int | None) -> torch.Tensor:
+    """Logits after min_tokens bans; for sampling also temperature, top-k and top-p."""
+    banned = _banned_while_short(seq, n_new, eos_id)
+    if banned:
+        row = row.clone()
+        row[banned] = float("-inf")
+    p = seq.params
+    return row if p.greedy else _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+
+
+def _record(token: int, logprobs: torch.Tensor | None, j: int, seq: Sequence) -> SampledToken:
+    sampled = SampledToken(token)
+    n_top = seq.params.logprobs
+    if logprobs is not None and n_top is not None:
+        sampled.logprob = float(logprobs[j, token])
+        top = logprobs[j].topk(n_top)
+        sampled.top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+    return sampled
+
+
+def sample_sequence(
+    rows: torch.Tensor, seq: Sequence, draft: list[int], eos_id: int | None
+) -> list[SampledToken]:
+    """rows [len(draft) + 1, vocab]: the target logits at the sequence's last token and each draft
+    token. Returns the kept draft tokens and one more (at least one token)."""
+    logprobs = torch.log_softmax(rows, dim=-1) if seq.params.logprobs is not None else None
+    out: list[SampledToken] = []
+    for j in range(len(draft) + 1):
+        target = _target(rows[j], seq, len(out), eos_id)
+        guess = draft[j] if j < len(draft) else None
+        if seq.params.greedy:
+            token = int(target.argmax())
         else:
-            row = _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-            token = int(torch.multinomial(row.softmax(-1), 1, generator=seq.generator))
-        sampled = SampledToken(token)
-        if logprobs is not None and p.logprobs is not None:
-            sampled.logprob = float(logprobs[i, token])
-            top = logprobs[i].topk(p.logprobs) if p.logprobs else None
-            sampled.top_logprobs = (
-                dict(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top else {}
-            )
-        out.append(sampled)
+            probs = target.softmax(-1)
+            if guess is not None and torch.rand(1, generator=seq.generator).item() < probs[guess].item():
+                token = guess
+            else:
+                if guess is not None:
+                    probs[guess] = 0.0
+                token = int(torch.multinomial(probs, 1, generator=seq.generator))
+        out.append(_record(token, logprobs, j, seq))
+        if token != guess:
+            break
     return out

@@ -18,12 +18,17 @@ from .sequence import SeqStatus, Sequence
 class ScheduledChunk:
     seq: Sequence
     start: int  # first position computed this step
-    length: int
+    length: int  # tokens computed this step, draft tokens included
+    draft: tuple[int, ...] = ()  # speculative tokens appended after the sequence's last token
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the sequence's last token, so a next token is sampled."""
-        return self.start + self.length == self.seq.num_tokens
+        return self.start + self.length - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.tokens[self.start : self.start + self.length - len(self.draft)] + list(self.draft)
 
 
 @dataclass
@@ -55,10 +60,12 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget
-            n = min(seq.num_uncomputed, budget)
+            draft = tuple(seq.draft) if seq.num_uncomputed == 1 else ()
+            n = min(seq.num_uncomputed + len(draft), budget)
+            draft = draft[: max(n - 1, 0)]  # a tight budget drops draft tokens, never the real one
             if not self._grow(seq, seq.num_computed + n):
                 continue
-            plan.append(ScheduledChunk(seq, seq.num_computed, n))
+            plan.append(ScheduledChunk(seq, seq.num_computed, n, draft))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             chunk = self._admit(self.waiting[0], budget)
@@ -115,10 +122,11 @@ class Scheduler:
         self.add(seq)
         self.preemptions += 1
 
-    def computed(self, chunk: ScheduledChunk) -> None:
-        """After a step: the chunk's latents are cached; seal blocks it filled for prefix reuse."""
+    def computed(self, chunk: ScheduledChunk, accepted_drafts: int = 0) -> None:
+        """After a step (and after the sampled tokens joined the sequence): the chunk's latents up to
+        the last kept draft token are valid; seal the blocks they filled for prefix reuse."""
         seq = chunk.seq
-        seq.num_computed = chunk.start + chunk.length
+        seq.num_computed = chunk.start + chunk.length - len(chunk.draft) + accepted_drafts
         size = self.blocks.block_size
         while len(seq.block_hashes) < seq.num_computed // size:
             b = len(seq.block_hashes)

@@ -30,7 +30,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chain hash of each full block
     num_computed: int = 0  # tokens whose latents are in the cache
     finish_reason: str | None = None
-    stop_text_at: int | None = None  # where a stop string starts in the decoded output
+    draft: list[int] = field(default_factory=list)  # MTP's guess of the tokens after the last one
 
     @property
     def tokens(self) -> list[int]:
@@ -46,4 +46,4 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         self.status = SeqStatus.WAITING
-        self.block_ids, self.block_hashes, self.num_computed = [], [], 0
+        self.block_ids, self.block_hashes, self.num_computed, self.draft = [], [], 0, []
