@@ -85,44 +85,23 @@ def add_byte_tokenizer(path: Path) -> Path:
     return path
 
 
-def add_trained_mtp(path: Path, steps: int = 150, seed: int = 0) -> Path:
-    """Give a checkpoint an MTP layer (transformers writes none) trained on the main model's own greedy
-    continuations, so speculative decoding has a draft worth accepting."""
+def add_mtp_layer(path: Path) -> Path:
+    """Give a checkpoint an MTP layer (transformers writes none): a copy of the last decoder block with
+    eh_proj passing the hidden state through. Untrained, it drafts poorly, which tests the rejections."""
     from safetensors.torch import load_file, save_file
 
-    from model import load_model
-    from model.generate import generate
-    from model.transformer import MTPLayer
+    from model import load_args
 
-    torch.manual_seed(seed)
-    model = load_model(path)
-    args = model.args
-    gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(2, args.vocab_size, (4,), generator=gen).tolist() for _ in range(24)]
-    data = torch.tensor([p + generate(model, p, 28) for p in prompts])
-    hidden = model.hidden_states(data).detach()
-    last = model.model.layers[str(args.num_hidden_layers - 1)]
-    layer = MTPLayer(args, args.num_hidden_layers)
-    layer.load_state_dict({**last.state_dict(), **_mtp_init(args.hidden_size)}, strict=False)
-    layer.requires_grad_(True)
-    model.mtp = torch.nn.ModuleList([layer])
-    opt = torch.optim.Adam(layer.parameters(), lr=3e-3)
-    for _ in range(steps):
-        logits = model.mtp_logits(hidden[:, :-2], data[:, 1:-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 2:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    args = load_args(path)
     tensors = load_file(path / "model.safetensors")
-    prefix = f"model.layers.{args.num_hidden_layers}."
-    tensors.update({prefix + k: v.detach().contiguous() for k, v in layer.state_dict().items()})
-    save_file(tensors, path / "model.safetensors")
-    return path
-
-
-def _mtp_init(dim: int) -> dict[str, torch.Tensor]:
-    """Norms at one; eh_proj passes the hidden state through, so training starts from the main model."""
+    last, mtp = f"model.layers.{args.num_hidden_layers - 1}.", f"model.layers.{args.num_hidden_layers}."
+    for name in [n for n in tensors if n.startswith(last)]:
+        tensors[mtp + name[len(last) :]] = tensors[name].clone()
+    dim = args.hidden_size
     eh = torch.zeros(dim, 2 * dim)
     eh[:, dim:] = torch.eye(dim)
-    return {"enorm.weight": torch.ones(dim), "hnorm.weight": torch.ones(dim),
-            "shared_head.norm.weight": torch.ones(dim), "eh_proj.weight": eh}  # fmt: skip
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}{norm}.weight"] = torch.ones(dim)
+    tensors[mtp + "eh_proj.weight"] = eh
+    save_file(tensors, path / "model.safetensors")
+    return path
