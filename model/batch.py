@@ -55,7 +55,7 @@ class BatchLayout:
         tables = torch.tensor([row + [0] * (width - len(row)) for row in block_tables], dtype=torch.long)
         tables = tables.view(len(spans), width)
         span_of_token = torch.repeat_interleave(
-            torch.arange(len(spans)), torch.tensor([s.length for s in spans])
+            torch.arange(len(spans)), torch.tensor([s.length for s in spans], dtype=torch.long)
         )
         blocks = tables[span_of_token, positions // cache.block_size]
         slots = blocks * cache.block_size + positions % cache.block_size

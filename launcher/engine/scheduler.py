@@ -60,9 +60,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop, or out of budget
-            draft = tuple(seq.draft) if seq.num_uncomputed == 1 else ()
-            n = min(seq.num_uncomputed + len(draft), budget)
-            draft = draft[: max(n - 1, 0)]  # a tight budget drops draft tokens, never the real one
+            n, draft = self._size(seq, seq.num_uncomputed, budget)
             if not self._grow(seq, seq.num_computed + n):
                 continue
             plan.append(ScheduledChunk(seq, seq.num_computed, n, draft))
@@ -83,7 +81,7 @@ class Scheduler:
             # Leave at least one token to compute: its logits give the next token.
             cached = self.blocks.match_prefix(seq.tokens[: seq.num_tokens - 1])
         n_cached = len(cached) * self.blocks.block_size
-        n = min(seq.num_tokens - n_cached, budget)
+        n, draft = self._size(seq, seq.num_tokens - n_cached, budget)
         fresh = self.blocks.blocks_needed(n_cached + n) - len(cached)
         if fresh > self.blocks.num_free - sum(self.blocks.blocks[b].ref_count == 0 for b in cached):
             return None
@@ -92,7 +90,15 @@ class Scheduler:
         seq.block_hashes = self._chain(seq, len(cached))
         seq.num_computed = n_cached
         seq.status = SeqStatus.RUNNING
-        return ScheduledChunk(seq, n_cached, n)
+        return ScheduledChunk(seq, n_cached, n, draft)
+
+    @staticmethod
+    def _size(seq: Sequence, uncomputed: int, budget: int) -> tuple[int, tuple[int, ...]]:
+        """Tokens to compute and the draft to verify: a chunk reaching the last token carries the
+        sequence's draft (also after a preemption, so draws do not depend on scheduling)."""
+        n = min(uncomputed, budget)
+        draft = tuple(seq.draft[: budget - n]) if n == uncomputed else ()
+        return n + len(draft), draft
 
     def _chain(self, seq: Sequence, n_blocks: int) -> list[int]:
         hashes, prev, size = [], None, self.blocks.block_size

@@ -46,4 +46,4 @@ class Sequence:
 
     def reset_for_recompute(self) -> None:
         self.status = SeqStatus.WAITING
-        self.block_ids, self.block_hashes, self.num_computed, self.draft = [], [], 0, []
+        self.block_ids, self.block_hashes, self.num_computed = [], [], 0  # the draft stays valid

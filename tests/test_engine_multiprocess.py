@@ -1,0 +1,57 @@
+"""The engine on multi-process layouts (real local worker processes on gloo): continuous batching,
+preemption, prefix caching and MTP give the single process's tokens."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
+
+from launcher import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SHARED = [0] + list(range(20, 36))
+PROMPTS = [[0, 5, 6, 7, 8, 9], [0] + [3] * 11, SHARED + [40], [0, 9, 10], SHARED + [50, 51], [0, 44] * 9]
+GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True, seed=5)
+TIGHT = dict(kv_cache_memory=14 * 4 * (16 + 8) * 5 * 4, block_size=4)  # 14 blocks of 4 tokens, 4+1 layers
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = make_hf_model(tmp_path_factory.mktemp("mp"), "v3", num_hidden_layers=4)
+    return str(add_mtp_layer(add_byte_tokenizer(path)))
+
+
+def outputs(llm: LLM) -> list[list[int]]:
+    greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return greedy + [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], SAMPLED)]
+
+
+@pytest.fixture(scope="module")
+def single(checkpoint):
+    """One process's outputs, without and with MTP (sampling with drafts draws differently)."""
+    results = {}
+    for speculative in (None, "mtp"):
+        with LLM(checkpoint, kv_cache_memory=4_000_000, speculative=speculative) as llm:
+            results[speculative] = outputs(llm)
+    return results
+
+
+@pytest.mark.parametrize(
+    "layout, options",
+    [
+        (dict(tp=2), dict(TIGHT, speculative="mtp")),  # preemption, prefix reuse and MTP, heads split
+        (dict(dp=2), dict(speculative="mtp", kv_cache_memory=4_000_000, block_size=4)),  # EP over 2 replicas
+        (dict(pp=2), dict(TIGHT)),  # two stages, two micro-batches in flight
+    ],
+)
+def test_multiprocess_engine_matches_one_process(checkpoint, single, layout, options):
+    with LLM(checkpoint, **layout, **options) as llm:
+        assert outputs(llm) == single[options.get("speculative")]
+        engine = llm.engine
+        assert engine.blocks.stats.prefix_hit_tokens > 0  # SHARED's full blocks were reused
+        if options.get("speculative"):
+            assert engine.spec_stats.drafted > 0
+        if options["kv_cache_memory"] == TIGHT["kv_cache_memory"]:
+            assert engine.scheduler.preemptions > 0
