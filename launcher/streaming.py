@@ -7,22 +7,21 @@ from typing import TextIO
 
 from model.tokenizer import Tokenizer
 
+from .engine.outputs import RequestOutput
+
 
 class TextStreamer:
-    """Callback for generated tokens: prints the text each one adds. The whole reply is decoded each
+    """Step callback: prints the text a request's new tokens add. The whole reply is decoded each
     time, because a byte-level token can end in the middle of a character."""
 
     def __init__(self, tokenizer: Tokenizer, out: TextIO = sys.stdout) -> None:
         self.tokenizer = tokenizer
         self.out = out
-        self.ids: list[int] = []
         self.text = ""
 
-    def __call__(self, _request_id: int, token: int) -> None:
-        if token == self.tokenizer.eos_id:
-            return
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+    def __call__(self, progress: RequestOutput) -> None:
+        ids = [t for t in progress.outputs[0].token_ids if t != self.tokenizer.eos_id]
+        text = self.tokenizer.decode(ids)
         self.out.write(text[len(self.text) :])
         self.out.flush()
         self.text = text

@@ -30,7 +30,9 @@ class PagedLatentCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         width = args.kv_lora_rank + args.qk_rope_head_dim
-        self.pool = torch.zeros(len(layer_ids), num_blocks, block_size, width, dtype=dtype, device=device)
+        # Uninitialized: a slot is always written before any read covers it, and untouched pages of a
+        # large CPU pool then cost no memory.
+        self.pool = torch.empty(len(layer_ids), num_blocks, block_size, width, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_token(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:

@@ -1,6 +1,7 @@
 """Run under torchrun by test_parallel_layouts.py: each layout of the plan file, one after another,
-on the first dp*pp*tp ranks of the job (the others only help create process groups). Rank 0 of each
-layout saves its results; every rank reports how many checkpoint bytes it read."""
+on the first dp*pp*tp ranks of the job (the others only help create process groups). The layout's
+rank 0 drives the engine and saves tokens and top log-probabilities; every rank reports how many
+checkpoint bytes it read."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 import torch.distributed as dist
 
 from cluster.rendezvous import RankEnv, init_distributed
-from parallel.expert_parallel import ExpertPlacement
+from launcher.engine.config import EngineConfig
+from launcher.engine.engine import LLMEngine
+from launcher.engine.sampling_params import SamplingParams
+from launcher.generate import run_to_completion
 from parallel.mesh import MeshShape, ParallelMesh
-from parallel.sharded_model import load_shard
-from parallel.spmd_generator import GenRequest, SpmdGenerator
 
 
 def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
@@ -24,18 +26,23 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
     mesh = ParallelMesh.build(shape, timeout_s=120, ranks=list(range(shape.world)))
     if mesh is None:
         return
-    placement = None
-    if "placement" in plan:
-        placement = ExpertPlacement.from_map(plan["placement"], len(plan["placement"]), shape.ep)
-    model = load_shard(ckpt, mesh, placement=placement)
-    requests = [GenRequest(**r) for r in plan["requests"]]
-    results = SpmdGenerator(model, mesh, record_logits=True).generate(requests)
+    config = EngineConfig(
+        kv_cache_memory=2_000_000, block_size=4, timeout_s=120, expert_placement=plan.get("placement")
+    )
+    engine = LLMEngine(ckpt, mesh, config)
     read = [None] * mesh.world.size
-    dist.all_gather_object(read, model.checkpoint_bytes_read, group=mesh.world.pg)
-    if mesh.rank == 0:
-        tokens = {r.id: r.token_ids for r in results}
-        logits = {r.id: torch.stack(r.logits) for r in results}
-        torch.save({"tokens": tokens, "logits": logits, "bytes_read": read}, out_dir / f"{name}.pt")
+    dist.all_gather_object(read, engine.model.checkpoint_bytes_read, group=mesh.world.pg)
+    if mesh.rank != 0:
+        engine.worker_loop()
+        return
+    for r in plan["requests"]:
+        params = SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
+                                seed=r.get("seed", 0), ignore_eos=True, logprobs=20)  # fmt: skip
+        engine.add_request(str(r["id"]), r["prompt"], params)
+    done = run_to_completion(engine)
+    engine.shutdown()
+    results = {int(k): (v.outputs[0].token_ids, v.outputs[0].logprobs) for k, v in done.items()}
+    torch.save({"results": results, "bytes_read": read}, out_dir / f"{name}.pt")
 
 
 def main(ckpt: str, out_dir: str, plan_file: str) -> None:

@@ -10,13 +10,11 @@ import sys
 
 import pytest
 import torch
-from tiny_models import make_hf_model
+from tiny_models import add_byte_tokenizer, make_hf_model
 
+from launcher import LLM, SamplingParams
 from model import CheckpointReader, load_model
 from model.generate import generate
-from parallel.mesh import ParallelMesh
-from parallel.sharded_model import load_shard
-from parallel.spmd_generator import GenRequest, SpmdGenerator
 
 pytestmark = pytest.mark.slow
 
@@ -43,15 +41,21 @@ PLAN = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return make_hf_model(tmp_path_factory.mktemp("tiny4"), "v3", num_hidden_layers=4)
+    return add_byte_tokenizer(make_hf_model(tmp_path_factory.mktemp("tiny4"), "v3", num_hidden_layers=4))
+
+
+def params(r: dict) -> SamplingParams:
+    return SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
+                          seed=r.get("seed", 0), ignore_eos=True, logprobs=20)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def single_process(checkpoint):
-    mesh = ParallelMesh.single()
-    requests = [GenRequest(**r) for r in REQUESTS]
-    results = SpmdGenerator(load_shard(str(checkpoint), mesh), mesh, record_logits=True).generate(requests)
-    return {r.id: (r.token_ids, torch.stack(r.logits)) for r in results}
+    with LLM(str(checkpoint), kv_cache_memory=2_000_000) as llm:
+        outs = llm.generate([r["prompt"] for r in REQUESTS], [params(r) for r in REQUESTS])
+    return {
+        r["id"]: (o.outputs[0].token_ids, o.outputs[0].logprobs) for r, o in zip(REQUESTS, outs, strict=True)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +79,14 @@ def test_one_process_engine_equals_plain_generate(checkpoint, single_process):
 
 @pytest.mark.parametrize("name", sorted(PLAN))
 def test_layout_matches_one_process(name, layouts, single_process):
-    got = layouts[name]
+    got = layouts[name]["results"]
     for r in PLAN[name]["requests"]:
-        tokens, logits = single_process[r["id"]]
-        assert got["tokens"][r["id"]] == tokens
-        assert (got["logits"][r["id"]] - logits).abs().max().item() <= 1e-4
+        tokens, logprobs = single_process[r["id"]]
+        got_tokens, got_logprobs = got[r["id"]]
+        assert got_tokens == tokens
+        for ours, theirs in zip(got_logprobs, logprobs, strict=True):  # top-20 log-probabilities per step
+            assert ours.keys() == theirs.keys()
+            assert max(abs(ours[t] - theirs[t]) for t in ours) <= 1e-4
 
 
 @pytest.mark.parametrize("name", ["tp2", "ep-over-dp2", "tp2xdp2", "pp2"])

@@ -62,16 +62,11 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_match_one_process(checkpoint, t
 
 
 def one_process_reply(checkpoint: str, question: str) -> str:
-    from launcher.generate import Job, parse_args
+    from launcher import LLM, SamplingParams
 
-    job = Job(
-        parse_args(
-            ["--ckpt-path", checkpoint, "--interactive", "--max-new-tokens", "10", "--temperature", "0"]
-        )
-    )
-    ids = job.tokenizer.encode_chat([{"role": "user", "content": question}])
-    result = job.generator.generate([job.request(0, ids)])[0]
-    return job.tokenizer.decode(job.completion_ids(result.token_ids))
+    with LLM(checkpoint, kv_cache_memory=1_000_000) as llm:
+        out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=10))
+    return out[0].outputs[0].text
 
 
 def test_interactive_chat_across_two_ranks(checkpoint):

@@ -18,6 +18,7 @@ class EngineConfig:
     seed: int = 0  # seeds sequences whose SamplingParams give none
     speculative: str | None = None  # "mtp": draft with the checkpoint's MTP layer, verify next step
     timeout_s: float = 300.0
+    expert_placement: list[list[int]] | None = None  # expert -> EP ranks holding it (copies allowed)
 
     def __post_init__(self) -> None:
         checks = [

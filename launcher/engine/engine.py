@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from model.kv_cache import PagedLatentCache
 from model.tokenizer import Tokenizer
+from parallel.expert_parallel import ExpertPlacement
 from parallel.mesh import ParallelMesh
 from parallel.sharded_model import load_shard
 
@@ -92,7 +93,11 @@ class LLMEngine:
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
-        self.model = load_shard(model_path, mesh, dtype, fp8, with_mtp=use_mtp)
+        placement = None
+        if self.config.expert_placement is not None:
+            owners = self.config.expert_placement
+            placement = ExpertPlacement.from_map(owners, len(owners), mesh.shape.ep)
+        self.model = load_shard(model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement)
         if use_mtp and not len(self.model.mtp):
             raise ValueError(
                 f"speculative='mtp' but {model_path} has no MTP weights (num_nextn_predict_layers)"
@@ -119,11 +124,13 @@ class LLMEngine:
     # ---- cache sizing: every rank must end up with the same number of blocks ----
     def _allocate_cache(self) -> PagedLatentCache:
         cfg, model = self.config, self.model
-        per_token = PagedLatentCache.bytes_per_token(
+        per_block = cfg.block_size * PagedLatentCache.bytes_per_token(
             model.args, len(model.layer_ids()), model.compute_dtype()
         )
         budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
-        n = torch.tensor([num_blocks_for(budget, per_token * cfg.block_size)])
+        # More blocks than every sequence at full length could use are never touched.
+        most = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        n = torch.tensor([min(num_blocks_for(budget, per_block), most)])
         n = int(self.mesh.world.all_reduce_min(n).item())
         return model.new_paged_cache(n, cfg.block_size)
 
