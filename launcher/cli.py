@@ -1,4 +1,5 @@
-"""The `launch` command: `launch [CONFIG.yaml]` runs a deployment; `launch SUBCOMMAND ...` runs a tool.
+"""The `launch` command: `launch [CONFIG.yaml] [--set key=value ...]` runs a deployment (by default
+the embedded configs/local.yaml); `launch SUBCOMMAND ...` runs a tool.
 
 Each subcommand lives in its own module exposing `register(subparsers)`; adding one is one line in
 SUBCOMMANDS.
@@ -13,7 +14,6 @@ import sys
 # name -> module that defines it (imported only when used, so `launch --help` stays fast)
 SUBCOMMANDS: dict[str, str] = {
     "convert": "launcher.convert_cmd",
-    "demo": "launcher.demo",
     "plan": "launcher.plan_cmd",
 }
 
@@ -30,20 +30,37 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def deployment_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch", description="Run the deployment a cluster YAML file describes."
+    )
+    p.add_argument("config", nargs="?", help="cluster YAML (default: the embedded configs/local.yaml)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. job.mode=chat"
+    )
+    p.epilog = f"Tools: launch {{{','.join(SUBCOMMANDS)}}} --help"
+    return p
+
+
+def run_deployment_command(argv: list[str]) -> int:
+    from .deploy_config import load_deploy_config
+    from .jobs import run_deployment
+
+    args = deployment_parser().parse_args(argv)
+    return run_deployment(load_deploy_config(args.config, args.set))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        argv = ["demo"]
-    parser = build_parser(argv[0] if argv[0] in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     try:
+        if command is None:
+            return run_deployment_command(argv)
+        args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         # User-caused errors (bad paths, configs, checkpoints) carry a message that names the fix.
-        print(f"launch {args.command}: error: {e}", file=sys.stderr)
+        print(f"launch{' ' + command if command else ''}: error: {e}", file=sys.stderr)
         return 1
 
 

@@ -19,12 +19,11 @@ import torch.distributed as dist
 
 from cluster.rendezvous import RankEnv
 
+from .chat import chat_loop, terminal_lines
 from .engine.config import EngineConfig
-from .engine.engine import LLMEngine
+from .engine.engine import LLMEngine, run_to_completion
 from .engine.launch import DTYPES, EngineSpec, build_engine
-from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
-from .streaming import TextStreamer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,18 +59,6 @@ def params(args: argparse.Namespace, index: int) -> SamplingParams:
     )
 
 
-def run_to_completion(engine: LLMEngine, on_step=None) -> dict[str, RequestOutput]:
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if on_step is not None:
-                on_step(out)
-            if out.finished:
-                done[out.request_id] = out
-                engine.release(out.request_id)
-    return done
-
-
 def completion_ids(engine: LLMEngine, ids: list[int]) -> list[int]:
     return ids[:-1] if ids and ids[-1] == engine.tokenizer.eos_id else ids
 
@@ -95,24 +82,7 @@ def run_file(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 
 def run_interactive(engine: LLMEngine, args: argparse.Namespace) -> None:
-    tok = engine.tokenizer
-    messages: list[dict[str, str]] = []
-    for turn in range(sys.maxsize):
-        try:
-            line = input(">>> ")
-        except EOFError:
-            return
-        if line == "/exit":
-            return
-        if line == "/clear":
-            messages.clear()
-            continue
-        messages.append({"role": "user", "content": line})
-        engine.add_request(str(turn), tok.encode_chat(messages), params(args, turn))
-        reply = run_to_completion(engine, TextStreamer(tok))[str(turn)]
-        print(flush=True)
-        answer = tok.decode(completion_ids(engine, reply.outputs[0].token_ids))
-        messages.append({"role": "assistant", "content": answer})
+    chat_loop(engine, engine.tokenizer, lambda turn: params(args, turn), terminal_lines())
 
 
 def main(argv: list[str] | None = None) -> int:

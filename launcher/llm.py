@@ -20,6 +20,7 @@ from cluster.local import free_port, spawn_workers, stop_workers
 from cluster.rendezvous import RankEnv
 
 from .engine.config import EngineConfig
+from .engine.engine import run_to_completion
 from .engine.launch import EngineSpec, build_engine
 from .engine.outputs import RequestOutput
 from .engine.sampling_params import SamplingParams
@@ -43,16 +44,24 @@ class LLM:
         unknown = set(engine_options) - {f for f in EngineConfig.__dataclass_fields__}
         if unknown:
             raise ValueError(f"unknown LLM option(s) {', '.join(sorted(unknown))}: see EngineConfig")
-        self.spec = EngineSpec(str(model), tp, dp, pp, dtype, fp8, EngineConfig(**engine_options))
+        self._start(EngineSpec(str(model), tp, dp, pp, dtype, fp8, EngineConfig(**engine_options)), {})
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> LLM:
+        """An LLM from a full spec (what `launch CONFIG.yaml` builds); env goes to worker processes."""
+        llm = cls.__new__(cls)
+        llm._start(spec, env or {})
+        return llm
+
+    def _start(self, spec: EngineSpec, env: dict[str, str]) -> None:
+        self.spec = spec
         self._workers = []
         rank_env = None
-        if self.spec.world > 1:
+        if spec.world > 1:
             port = free_port()
-            self._workers = spawn_workers(
-                self.spec.world, "launcher.engine.worker", [self.spec.to_json()], port
-            )
-            rank_env = RankEnv(0, 0, self.spec.world, self.spec.world, "127.0.0.1", port)
-        self.engine = build_engine(self.spec, rank_env)
+            self._workers = spawn_workers(spec.world, "launcher.engine.worker", [spec.to_json()], port, env)
+            rank_env = RankEnv(0, 0, spec.world, spec.world, "127.0.0.1", port)
+        self.engine = build_engine(spec, rank_env)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -97,15 +106,8 @@ class LLM:
         return self.generate(conversations, sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm)
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    self.engine.release(out.request_id)
-                    bar.update(1)
-        bar.close()
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+            done = run_to_completion(self.engine, lambda out: bar.update(int(out.finished)))
         return [done[r] for r in request_ids]
 
     def shutdown(self) -> None:

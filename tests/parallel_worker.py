@@ -14,9 +14,8 @@ import torch.distributed as dist
 
 from cluster.rendezvous import RankEnv, init_distributed
 from launcher.engine.config import EngineConfig
-from launcher.engine.engine import LLMEngine
+from launcher.engine.engine import LLMEngine, run_to_completion
 from launcher.engine.sampling_params import SamplingParams
-from launcher.generate import run_to_completion
 from parallel.mesh import MeshShape, ParallelMesh
 
 

@@ -1,0 +1,36 @@
+"""A chat on the terminal (or from lines on stdin), through any engine client: the prompt, the
+streamed reply, `/clear` to forget the conversation, `/exit` to quit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from .engine.engine import run_to_completion
+from .engine.sampling_params import SamplingParams
+from .streaming import TextStreamer
+
+
+def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines: Iterable[str]) -> None:
+    """One user turn per line; the reply is printed as it is generated."""
+    messages: list[dict[str, str]] = []
+    for turn, line in enumerate(lines):
+        if line == "/exit":
+            return
+        if line == "/clear":
+            messages.clear()
+            continue
+        messages.append({"role": "user", "content": line})
+        engine.add_request(f"chat-{turn}", tokenizer.encode_chat(messages), params(turn))
+        streamer = TextStreamer(tokenizer)
+        run_to_completion(engine, streamer)
+        print(flush=True)
+        messages.append({"role": "assistant", "content": streamer.text})
+
+
+def terminal_lines(prompt: str = ">>> ") -> Iterable[str]:
+    """Lines typed at a prompt, until end of input."""
+    while True:
+        try:
+            yield input(prompt)
+        except EOFError:
+            return

@@ -1,0 +1,109 @@
+"""`launch CONFIG.yaml`: open the deployment's engine on its backend, then run the job's mode.
+
+Backends give an LLM-shaped client (`.engine`, `.tokenizer`, `.spec`, `.shutdown()`); job modes
+only use that, so a new backend or a new mode is one entry in a table.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .chat import chat_loop, terminal_lines
+from .deploy_config import DeployConfig
+from .engine.config import EngineConfig
+from .engine.launch import EngineSpec
+from .engine.sampling_params import SamplingParams
+from .llm import LLM
+from .plan import build_plan
+
+DEMO_QUESTIONS = (
+    "What is 12+34?",
+    "Reverse moelaunch",
+    "Sort 42 7 19",
+    "Count a in banana",
+    "What is 91-27?",
+)
+
+
+def engine_spec(cfg: DeployConfig) -> EngineSpec:
+    model = Path(cfg.model)
+    if not model.is_dir():
+        raise cfg.error(
+            "model", cfg.model, "a checkpoint directory to run (a config.json only serves `plan`)"
+        )
+    engine = EngineConfig(
+        max_model_len=cfg.engine.max_model_len,
+        max_num_seqs=cfg.engine.max_num_seqs,
+        max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
+        timeout_s=cfg.cluster.timeouts.collective_s,
+        expert_placement=cfg.parallel.expert_placement,
+    )
+    dtype, fp8 = ("auto", "keep") if cfg.dtype == "fp8" else (cfg.dtype, "auto")
+    p = cfg.parallel
+    return EngineSpec(str(model), p.tp, p.dp, p.pp, dtype, fp8, engine)
+
+
+def open_local(cfg: DeployConfig, spec: EngineSpec) -> LLM:
+    return LLM.from_spec(spec, env=cfg.cluster.env)
+
+
+BACKENDS: dict[str, Callable[[DeployConfig, EngineSpec], LLM]] = {"local": open_local}
+
+
+def run_chat(client: LLM, cfg: DeployConfig) -> int:
+    job = cfg.job
+
+    def params(turn: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=job.temperature, top_p=job.top_p, max_tokens=job.max_tokens, seed=turn
+        )
+
+    if sys.stdin.isatty():
+        print("Chat (/clear resets the conversation, /exit quits).")
+        lines = terminal_lines()
+    else:
+        # Piped turns, one per line; with nothing piped in, a short demo.
+        lines = [line.rstrip("\n") for line in sys.stdin] or list(DEMO_QUESTIONS)
+        lines = _echoed(lines)
+    chat_loop(client.engine, client.tokenizer, params, lines)
+    return 0
+
+
+def _echoed(lines: list[str]):
+    for line in lines:
+        print(f">>> {line}", flush=True)
+        yield line
+
+
+def run_batch_job(client: LLM, cfg: DeployConfig) -> int:
+    from .batch import run_batch
+
+    job = cfg.job
+    defaults = {"temperature": job.temperature, "top_p": job.top_p, "max_tokens": job.max_tokens}
+    summary = run_batch(client, Path(job.input), Path(job.output), defaults)
+    print(summary.line(Path(job.output)))
+    return 0
+
+
+MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {"chat": run_chat, "batch": run_batch_job}
+
+
+def run_deployment(cfg: DeployConfig) -> int:
+    backend = BACKENDS.get(cfg.cluster.backend)
+    if backend is None:
+        raise cfg.error(
+            "cluster.backend", cfg.cluster.backend, f"one of {', '.join(BACKENDS)} in this version"
+        )
+    mode = MODES.get(cfg.job.mode)
+    if mode is None:
+        raise cfg.error("job.mode", cfg.job.mode, f"one of {', '.join(MODES)} in this version")
+    plan = build_plan(cfg)  # a layout that cannot work fails here, before any process starts
+    if not plan.fits:
+        raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
+    client = backend(cfg, engine_spec(cfg))
+    try:
+        return mode(client, cfg)
+    finally:
+        client.shutdown()
