@@ -1,0 +1,1 @@
+"""Benchmarks whose numbers go into docs/ (run as modules: python -m benchmarks.NAME)."""

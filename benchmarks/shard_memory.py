@@ -1,0 +1,199 @@
+"""Peak memory per rank when loading a sharded checkpoint, against one process loading the full model.
+
+    python -m benchmarks.shard_memory [--ckpt DIR] [--layouts single,tp2,dp2,tp2xdp2,pp2,full]
+
+Writes (once) a random DeepSeek-V3-shaped HF checkpoint of about 450 MB fp32 to --ckpt, then starts
+one job per layout: `full` and `single` as one process, the others under torchrun, e.g.
+    python -m torch.distributed.run --standalone --nproc-per-node 4 \\
+        -m benchmarks.shard_memory --worker tp2xdp2 --ckpt DIR --result FILE
+Each rank reports the checkpoint bytes it read, the bytes of parameters it holds, its peak RSS
+(ru_maxrss) during the load and its RSS once every weight has been read once (safetensors maps the
+file, so weights become resident on first use), both minus its RSS right before loading, so torch's
+import footprint is left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cluster.rendezvous import RankEnv, init_distributed
+from model.checkpoint import CheckpointReader
+from model.loading import load_model
+from parallel.mesh import MeshShape, ParallelMesh
+from parallel.sharded_model import load_shard
+
+MB = 1 << 20
+# name: (dp, pp, tp); "full" is a single process running the unsharded loader.
+LAYOUTS: dict[str, tuple[int, int, int]] = {
+    "full": (1, 1, 1),
+    "single": (1, 1, 1),
+    "tp2": (1, 1, 2),
+    "dp2": (2, 1, 1),
+    "tp2xdp2": (2, 1, 2),
+    "pp2": (1, 2, 1),
+}
+# DeepSeek-V3's structure (MLA with q_lora, 1 dense + 3 MoE layers, shared expert, grouped routing) at
+# a width that makes ~113M parameters, ~450 MB in fp32; every size splits over tp=2 and ep=4.
+CONFIG: dict[str, Any] = dict(
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_hidden_layers=4,
+    first_k_dense_replace=1,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    n_routed_experts=16,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    q_lora_rank=384,
+    kv_lora_rank=256,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    max_position_embeddings=1024,
+)
+
+
+def write_checkpoint(path: Path) -> None:
+    """A random DeepseekV3ForCausalLM saved by transformers, so names and shapes are HF's own."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG))
+    model.save_pretrained(path)
+
+
+def rss_now() -> dict[str, int]:
+    """Resident bytes now: VmRSS, and its RssAnon / RssFile parts (ru_maxrss only gives the peak)."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def build_mesh(layout: str) -> ParallelMesh:
+    dp, pp, tp = LAYOUTS[layout]
+    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    return ParallelMesh.build(shape, timeout_s=120) if shape.world > 1 else ParallelMesh.single()
+
+
+def warm_up_imports() -> None:
+    """The first nn.Embedding init imports torch._dynamo (sympy, triton): ~150 MB of import, not load."""
+    with torch.device("meta"):
+        torch.nn.Embedding(2, 2)
+
+
+def touch(model: torch.nn.Module) -> None:
+    """Read every weight once, as a first forward would: safetensors hands out views of the mmapped
+    file, so a weight becomes resident only when first used."""
+    for p in model.parameters():
+        p.sum()
+
+
+def worker(layout: str, ckpt: str, result: Path) -> None:
+    """One rank: measure around the load, gather every rank's numbers, rank 0 writes them."""
+    env = RankEnv.from_env()
+    init_distributed(env, timeout_s=120)
+    mesh = None if layout == "full" else build_mesh(layout)
+    warm_up_imports()
+    gc.collect()
+    before, peak_before = rss_now(), peak_rss()
+    model = load_model(ckpt) if mesh is None else load_shard(ckpt, mesh)
+    load_peak = peak_rss()
+    touch(model)
+    after = rss_now()
+    mine = {
+        "rank": env.rank,
+        "bytes_read": model.checkpoint_bytes_read,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "rss_before": before["VmRSS"],
+        # The loader's own peak, valid when it exceeds every earlier peak of the process.
+        "load_peak_delta": load_peak - before["VmRSS"],
+        "peak_set_by_load": load_peak > peak_before,
+        "touched_delta": after["VmRSS"] - before["VmRSS"],
+        "touched_file_delta": after["RssFile"] - before["RssFile"],  # page cache, shared on a node
+    }
+    ranks = [mine]
+    if dist.is_initialized():
+        ranks = [{} for _ in range(env.world_size)]
+        dist.all_gather_object(ranks, mine)
+    if env.rank == 0:
+        result.write_text(json.dumps(ranks))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(layout: str, ckpt: Path, result: Path) -> list[dict[str, Any]]:
+    dp, pp, tp = LAYOUTS[layout]
+    world = dp * pp * tp
+    cmd = [sys.executable]
+    if world > 1:
+        cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    cmd += ["-m", "benchmarks.shard_memory", "--worker", layout, "--ckpt", str(ckpt), "--result", str(result)]
+    subprocess.run(cmd, check=True, timeout=600)
+    return json.loads(result.read_text())
+
+
+def report(ckpt_bytes: int, results: dict[str, list[dict[str, Any]]]) -> None:
+    print(f"checkpoint: {ckpt_bytes / MB:.1f} MB of tensors; RSS columns are MB above the RSS before loading")
+    print("layout    rank  read MB  read/ckpt  params MB  load peak  after touching (file-backed)")
+    for layout, ranks in results.items():
+        for r in ranks:
+            flag = "" if r["peak_set_by_load"] else "  (peak predates load)"
+            print(
+                f"{layout:<8}  {r['rank']:>4}  {r['bytes_read'] / MB:>7.1f}"
+                f"  {r['bytes_read'] / ckpt_bytes:>9.2f}  {r['param_bytes'] / MB:>9.1f}"
+                f"  {r['load_peak_delta'] / MB:>9.1f}"
+                f"  {r['touched_delta'] / MB:>14.1f} ({r['touched_file_delta'] / MB:.1f}){flag}"
+            )
+    print(json.dumps({"checkpoint_bytes": ckpt_bytes, "layouts": results}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_ckpt = Path(tempfile.gettempdir()) / "moelaunch-shard-memory-ckpt"
+    p.add_argument("--ckpt", type=Path, default=default_ckpt, help="checkpoint dir (written if empty)")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {list(LAYOUTS)}")
+    p.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)  # set by launch()
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--write", action="store_true", help=argparse.SUPPRESS)  # write the checkpoint only
+    a = p.parse_args()
+    unknown = set(a.layouts.split(",")) - set(LAYOUTS)
+    if unknown:
+        p.error(f"unknown layouts {sorted(unknown)}: choose from {list(LAYOUTS)}")
+    if a.worker:
+        worker(a.worker, str(a.ckpt), a.result)
+        return
+    if a.write:
+        write_checkpoint(a.ckpt)
+        return
+    if not (a.ckpt / "config.json").exists():
+        # In a child: Linux carries ru_maxrss over fork+exec, so a big driver would inflate every worker's.
+        subprocess.run(
+            [sys.executable, "-m", "benchmarks.shard_memory", "--write", "--ckpt", str(a.ckpt)], check=True
+        )
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in a.layouts.split(","):
+            results[layout] = launch(layout, a.ckpt, Path(tmp) / f"{layout}.json")
+    report(CheckpointReader(a.ckpt).total_bytes(), results)
+
+
+if __name__ == "__main__":
+    main()
