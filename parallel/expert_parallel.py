@@ -53,9 +53,10 @@ class ExpertPlacement:
     def destinations(self, expert_ids: torch.Tensor) -> torch.Tensor:
         """The EP rank each (token, expert) pair goes to; copies of an expert share its pairs in turn."""
         width = max(len(r) for r in self.owners)
-        table = torch.tensor([(list(r) * width)[:width] for r in self.owners])
-        n_copies = torch.tensor([len(r) for r in self.owners])
-        turn = torch.arange(expert_ids.numel()) % n_copies[expert_ids]
+        device = expert_ids.device
+        table = torch.tensor([(list(r) * width)[:width] for r in self.owners], device=device)
+        n_copies = torch.tensor([len(r) for r in self.owners], device=device)
+        turn = torch.arange(expert_ids.numel(), device=device) % n_copies[expert_ids]
         return table[expert_ids, turn]
 
 
@@ -79,17 +80,24 @@ class ExpertParallelMoE(MoE):
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        k = ids.shape[1]
+        k, n_experts = ids.shape[1], self.n_routed_experts
         flat_ids = ids.flatten()
         dest = self.placement.destinations(flat_ids)
         # Grouped by destination, then by expert, so each receiver gets runs of rows per expert.
-        order = (dest * self.n_routed_experts + flat_ids).argsort(stable=True)
+        key = dest * n_experts + flat_ids
+        order = key.argsort(stable=True)
         token_of_slot = order // k
-        send_counts = torch.bincount(dest, minlength=self.ep.size)
-        recv_counts = self.ep.exchange_counts(send_counts)
-        sends, recvs = send_counts.tolist(), recv_counts.tolist()
+        # Per-(destination, expert) counts are the only metadata that travels: with the fixed order
+        # they tell the receiver each arriving row's expert, so no ids need sending.
+        sent = torch.bincount(key, minlength=self.ep.size * n_experts).view(self.ep.size, n_experts)
+        received = self.ep.exchange_counts(sent)
+        sends, recvs = sent.sum(1).tolist(), received.sum(1).tolist()
         arrived = self.ep.all_to_all(x[token_of_slot], sends, recvs)
-        arrived_ids = self.ep.all_to_all(flat_ids[order], sends, recvs)
+        arrived_ids = (
+            torch.arange(n_experts, device=x.device)
+            .repeat(self.ep.size)
+            .repeat_interleave(received.flatten())
+        )
         computed = self._run_local(arrived, arrived_ids)
         back = self.ep.all_to_all(computed, recvs, sends)  # the reverse exchange: combine
         back = back * weights.flatten()[order, None].to(back.dtype)
