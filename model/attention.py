@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .batch import BatchLayout
@@ -26,6 +27,15 @@ def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tens
     q_pos = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
     k_pos = torch.arange(n_keys, device=device)[None, :]
     return torch.zeros(n_queries, n_keys, device=device).masked_fill_(k_pos > q_pos, float("-inf"))
+
+
+def _is_rectangle(layout: BatchLayout) -> bool:
+    """Every sequence starts at position 0 with the same length, back to back."""
+    spans = layout.spans
+    return bool(spans) and all(
+        s.start_pos == 0 and s.length == spans[0].length and s.offset == i * s.length
+        for i, s in enumerate(spans)
+    )
 
 
 class MLA(nn.Module):
@@ -77,6 +87,9 @@ class MLA(nn.Module):
         cache = layout.cache
         if cache is not None:
             cache.store(layer, layout.slots, kv, k_pe)
+        if cache is None and impl != "absorbed" and _is_rectangle(layout):
+            out = self._naive_rectangle(q_nope, q_pe, kv, k_pe, len(layout.spans))
+            return self.o_proj(out.flatten(1))
         out = x.new_empty(n, self.n_heads, self.v_dim)
         batched = (
             [i for i, s in enumerate(layout.spans) if s.length == 1] if cache and impl != "naive" else []
@@ -96,6 +109,18 @@ class MLA(nn.Module):
             attend = self._absorbed if absorbed else self._naive
             out[rows] = attend(q_nope[rows], q_pe[rows], keys, pes, mask)
         return self.o_proj(out.flatten(1))
+
+    def _naive_rectangle(self, q_nope, q_pe, kv, k_pe, batch: int) -> torch.Tensor:
+        """Equal-length sequences without a cache (training, the [B, T] API): one fused causal
+        attention over the whole batch instead of a loop over sequences."""
+        t = q_nope.shape[0] // batch
+        kv = self.kv_b_proj(kv).view(batch, t, self.n_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_pe = k_pe.view(batch, t, 1, self.rope_dim).expand(-1, -1, self.n_heads, -1)
+        q = torch.cat([q_nope, q_pe], dim=-1).view(batch, t, self.n_heads, -1).transpose(1, 2)
+        k = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        return out.transpose(1, 2).reshape(batch * t, self.n_heads, self.v_dim)
 
     def _decode_batch(self, q_nope, q_pe, layout: BatchLayout, spans: list[int], layer: int, out) -> None:
         """All single-token spans at once, in the absorbed form over the paged latent cache."""
