@@ -11,10 +11,13 @@ import argparse
 import importlib
 import sys
 
+from cluster.errors import ClusterError
+
 # name -> module that defines it (imported only when used, so `launch --help` stays fast)
 SUBCOMMANDS: dict[str, str] = {
     "convert": "launcher.convert_cmd",
     "plan": "launcher.plan_cmd",
+    "slurm": "launcher.slurm_cmd",
 }
 
 
@@ -58,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_deployment_command(argv)
         args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        # User-caused errors (bad paths, configs, checkpoints) carry a message that names the fix.
+    except (ValueError, FileNotFoundError, ClusterError) as e:
+        # User-caused errors (bad paths, configs, checkpoints, dead nodes) carry a message naming the fix.
         print(f"launch{' ' + command if command else ''}: error: {e}", file=sys.stderr)
         return 1
 

@@ -17,6 +17,7 @@ from .engine.launch import EngineSpec
 from .engine.sampling_params import SamplingParams
 from .llm import LLM
 from .plan import build_plan
+from .ray_client import RayLLM
 
 DEMO_QUESTIONS = (
     "What is 12+34?",
@@ -49,7 +50,7 @@ def open_local(cfg: DeployConfig, spec: EngineSpec) -> LLM:
     return LLM.from_spec(spec, env=cfg.cluster.env)
 
 
-BACKENDS: dict[str, Callable[[DeployConfig, EngineSpec], LLM]] = {"local": open_local}
+BACKENDS: dict[str, Callable[[DeployConfig, EngineSpec], LLM | RayLLM]] = {"local": open_local, "ray": RayLLM}
 
 
 def run_chat(client: LLM, cfg: DeployConfig) -> int:

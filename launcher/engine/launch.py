@@ -55,3 +55,8 @@ def build_engine(spec: EngineSpec, rank_env: RankEnv | None = None) -> LLMEngine
         mesh = ParallelMesh.single("cuda" if backend == "nccl" else "cpu")
     dtype = DTYPES[spec.dtype] or (torch.bfloat16 if mesh.device.type == "cuda" else torch.float32)
     return LLMEngine(spec.model, mesh, spec.engine, dtype, spec.fp8)
+
+
+def build_engine_from_json(spec_json: str) -> LLMEngine:
+    """build_engine for a rank that a cluster backend started (the torchrun env contract is set)."""
+    return build_engine(EngineSpec.from_json(spec_json))
