@@ -15,7 +15,10 @@ from cluster.errors import ClusterError
 
 # name -> module that defines it (imported only when used, so `launch --help` stays fast)
 SUBCOMMANDS: dict[str, str] = {
+    "batch": "launcher.batch_cmd",
+    "bench": "launcher.bench_cmd",
     "convert": "launcher.convert_cmd",
+    "eval": "launcher.eval_cmd",
     "plan": "launcher.plan_cmd",
     "slurm": "launcher.slurm_cmd",
 }

@@ -7,7 +7,7 @@ only use that, so a new backend or a new mode is one entry in a table.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .chat import chat_loop, terminal_lines
@@ -21,7 +21,7 @@ from .ray_client import RayLLM
 
 DEMO_QUESTIONS = (
     "What is 12+34?",
-    "Reverse moelaunch",
+    "Reverse hello",
     "Sort 42 7 19",
     "Count a in banana",
     "What is 91-27?",
@@ -66,15 +66,19 @@ def run_chat(client: LLM, cfg: DeployConfig) -> int:
         lines = terminal_lines()
     else:
         # Piped turns, one per line; with nothing piped in, a short demo.
-        lines = [line.rstrip("\n") for line in sys.stdin] or list(DEMO_QUESTIONS)
-        lines = _echoed(lines)
+        piped = [line.rstrip("\n") for line in sys.stdin]
+        # The demo asks each question in a fresh conversation, the way the bundled model was trained.
+        demo = [line for q in DEMO_QUESTIONS for line in (q, "/clear")]
+        lines = _echoed(piped or demo)
     chat_loop(client.engine, client.tokenizer, params, lines)
     return 0
 
 
-def _echoed(lines: list[str]):
+def _echoed(lines: list[str]) -> Iterator[str]:
+    """Show each piped turn as if typed at the prompt."""
     for line in lines:
-        print(f">>> {line}", flush=True)
+        if line != "/clear":
+            print(f">>> {line}", flush=True)
         yield line
 
 

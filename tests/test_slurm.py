@@ -4,10 +4,17 @@ runs the same deployment file there on the ray backend; a layout that cannot wor
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
+from ray_nodes import node_env
+from slurm_cluster import missing_slurm, slurm_cluster
+from tiny_models import add_byte_tokenizer, make_hf_model
 
 from launcher.cli import main
 
@@ -63,3 +70,79 @@ def test_layout_that_cannot_work_is_refused_before_submitting(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "launch slurm: error:" in captured.err and "cluster.nodes: 1" in captured.err
     assert "#SBATCH" not in captured.out
+
+
+# --- a real Slurm: two emulated nodes, each in its own network namespace ------------------------
+
+PROMPTS = {"a": "hello world", "b": "the quick brown fox", "c": "moelaunch", "d": "12+34="}
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    reason = missing_slurm()
+    if reason:
+        pytest.skip(reason)
+    with slurm_cluster() as cluster:
+        assert cluster.leftovers(), "leftovers() must see the running daemons, or its check below is void"
+        yield cluster
+    # The PID namespace took every daemon, job step and Ray process with it.
+    assert not cluster.leftovers(), "a process of the test Slurm outlived it"
+
+
+@pytest.mark.slow
+def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm):
+    from launcher import LLM, SamplingParams
+
+    checkpoint = str(add_byte_tokenizer(make_hf_model(tmp_path / "tiny", "v3", num_hidden_layers=2)))
+    with LLM(checkpoint, max_model_len=128) as llm:
+        outs = llm.generate(list(PROMPTS.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    reference = {k: o.outputs[0].token_ids for k, o in zip(PROMPTS, outs, strict=True)}
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "prompt": p}) + "\n" for k, p in PROMPTS.items()))
+    cfg = {
+        "model": checkpoint,
+        "parallel": {"tp": 2, "dp": 2},
+        "engine": {"max_model_len": 128, "max_num_seqs": 4},
+        "cluster": {
+            "backend": "slurm",
+            "nodes": 2,
+            "devices_per_node": 2,
+            "device": "cpu",
+            # Both node namespaces name their link eth1; gloo must not advertise 127.0.0.1.
+            "env": {"GLOO_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "1"},
+            "timeouts": {"startup_s": 120, "collective_s": 60},
+            "slurm": {"time": "00:05:00"},
+        },
+        "job": {
+            "mode": "batch",
+            "input": str(prompts),
+            "output": str(tmp_path / "results.jsonl"),
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+        },
+    }
+    config = tmp_path / "deploy.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    # sbatch exports this environment to the job: the checkout on PYTHONPATH, Ray's files in the test's dir.
+    env = node_env(RAY_TMPDIR=str(slurm.state / "ray"))
+    done = slurm.client(
+        [sys.executable, "-m", "launcher.cli", "slurm", str(config)], env=env, timeout_s=60, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    job_id = re.search(r"submitted Slurm job (\d+)", done.stdout).group(1)
+    out_file = tmp_path / f"moelaunch-deploy-{job_id}.out"
+    try:
+        state = slurm.wait_job(job_id, timeout_s=180)
+    finally:
+        output = out_file.read_text(errors="replace") if out_file.exists() else "(no job output)"
+        print(output[-4000:])  # shown by pytest when the test fails
+    assert state in (None, "COMPLETED"), f"job {job_id} ended {state}:\n{output[-4000:]}\n{slurm.logs()}"
+
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(PROMPTS), "every id exactly once"
+    assert {r["id"]: r["token_ids"] for r in rows} == reference
+    # Ray really spanned both nodes' addresses.
+    assert "Ray head at 10.202.0.1:" in output
+    assert "10.202.0.2" in output, output[-3000:]

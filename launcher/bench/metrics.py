@@ -1,0 +1,72 @@
+"""What a benchmark measures, computed the same way for every system from per-request timestamps.
+
+Every request of a case arrives when the case starts. TTFT: arrival to first token. TPOT: time per
+output token after the first. decode tok/s: for a case whose B requests decode together, B / TPOT,
+the generation rate once prefill is over (the target figure). Peak memory: the process's peak RSS
+during the case (Linux VmHWM, reset before each case), model weights included.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestTiming:
+    arrival: float
+    first_token: float
+    finished: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class CaseRun:
+    timings: list[RequestTiming]
+    seconds: float
+    peak_rss_mb: float
+
+
+def reset_peak_rss() -> bool:
+    """Restart VmHWM at the current RSS (Linux >= 4.0); False where the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_mb() -> float:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux; since process start
+
+
+def summarize(run: CaseRun, batch_size: int | None) -> dict[str, float | int | None]:
+    t = run.timings
+    ttft = [r.first_token - r.arrival for r in t]
+    tpot = [(r.finished - r.first_token) / (r.output_tokens - 1) for r in t if r.output_tokens > 1]
+    prompt_tokens = sum(r.prompt_tokens for r in t)
+    output_tokens = sum(r.output_tokens for r in t)
+    mean_tpot = statistics.fmean(tpot) if tpot else None
+    return {
+        "requests": len(t),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "seconds": round(run.seconds, 3),
+        "output_tok_s": round(output_tokens / run.seconds, 2),
+        "total_tok_s": round((prompt_tokens + output_tokens) / run.seconds, 2),
+        "decode_tok_s": round(batch_size / mean_tpot, 2) if batch_size and mean_tpot else None,
+        "ttft_ms": round(1e3 * statistics.fmean(ttft), 2),
+        "ttft_ms_max": round(1e3 * max(ttft), 2),
+        "tpot_ms": round(1e3 * mean_tpot, 2) if mean_tpot else None,
+        "peak_rss_mb": round(run.peak_rss_mb, 1),
+    }

@@ -1,0 +1,30 @@
+"""This project's engine on a benchmark case: every request added at once, then engine steps until
+all are done; the engine's own first-token and finish timestamps give TTFT and TPOT."""
+
+from __future__ import annotations
+
+import time
+
+from ..engine.sampling_params import SamplingParams
+from ..llm import LLM
+from .metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
+from .workloads import Case
+
+
+def run_case(llm: LLM, case: Case) -> CaseRun:
+    engine = llm.engine
+    reset_peak_rss()
+    start = time.perf_counter()
+    for i, r in enumerate(case.requests):
+        params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
+        engine.add_request(f"{case.name}-{i}", r.prompt_ids, params)
+    timings = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                m, n_out = out.metrics, len(out.outputs[0].token_ids)
+                timings.append(
+                    RequestTiming(start, m.first_token, m.finished, len(out.prompt_token_ids), n_out)
+                )
+                engine.release(out.request_id)
+    return CaseRun(timings, time.perf_counter() - start, peak_rss_mb())

@@ -1,0 +1,141 @@
+"""One benchmark run: the same cases through this engine and, with --compare, through the peers, one
+system at a time in this process (vLLM in its own), then the results and ratios as one dict."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..llm import LLM
+from . import hf_peer, ours
+from .metrics import CaseRun, summarize
+from .report import OURS, Results, ratios
+from .vllm_peer import PeerFailed, run_vllm
+from .workloads import Case, latency_cases, throughput_case, warmup_case
+
+CaseResults = dict[str, dict[str, Any]]  # case name -> metrics
+
+
+@dataclass
+class BenchOptions:
+    model: str
+    workload: str = "all"  # throughput | latency | all
+    num_requests: int = 64
+    input_len: int = 256
+    output_len: int = 128
+    range_ratio: float = 0.5
+    batch_sizes: tuple[int, ...] = (1, 8, 64)
+    compare: bool = False
+    vllm_venv: Path | None = None
+    hf_batch_size: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int = 1 << 30
+    seed: int = 0
+    threads: int = max(1, (os.cpu_count() or 1) - 1)
+    vllm_timeout_s: float = 1800.0
+
+
+def build_cases(opts: BenchOptions, vocab_size: int) -> list[Case]:
+    cases = []
+    if opts.workload in ("throughput", "all"):
+        cases.append(
+            throughput_case(
+                opts.num_requests, opts.input_len, opts.output_len, opts.range_ratio, vocab_size, opts.seed
+            )
+        )
+    if opts.workload in ("latency", "all"):
+        cases += latency_cases(list(opts.batch_sizes), opts.input_len, opts.output_len, vocab_size, opts.seed)
+    return cases
+
+
+def _log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _timed(system: str, cases: list[Case], run: Callable[[Case], CaseRun]) -> CaseResults:
+    out = {}
+    for case in cases:
+        _log(f"{system} {case.name} ({len(case.requests)} requests)")
+        out[case.name] = summarize(run(case), case.batch_size)
+    return out
+
+
+def run_suite(opts: BenchOptions) -> dict[str, Any]:
+    config = json.loads((Path(opts.model) / "config.json").read_text())
+    cases = build_cases(opts, config["vocab_size"])
+    warmup = warmup_case(config["vocab_size"])
+    settings = {
+        "max_model_len": max(c.max_len for c in [warmup, *cases]),
+        "max_num_batched_tokens": opts.max_num_batched_tokens,
+        "max_num_seqs": max(256, *(len(c.requests) for c in cases)),
+        "kv_cache_memory": opts.kv_cache_memory,
+    }
+    systems: dict[str, Any] = {OURS: {"dtype": "float32"}}
+    results: Results = {}
+    threads_before = torch.get_num_threads()
+    # Every system computes on the same number of threads (vLLM pins its own, see vllm_peer).
+    torch.set_num_threads(opts.threads)
+    try:
+        results[OURS] = _run_ours(opts, cases, warmup, settings)
+        gc.collect()  # the previous system's model and cache go before the next one loads
+        if opts.compare:
+            systems["transformers"], results["transformers"] = _run_transformers(opts, cases, warmup)
+            gc.collect()
+        if opts.vllm_venv:
+            systems["vllm"], vllm_results = _run_vllm(opts, cases, warmup, settings)
+            if vllm_results:
+                results["vllm"] = vllm_results
+    finally:
+        torch.set_num_threads(threads_before)
+    return {
+        "model": str(opts.model),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "settings": {**settings, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()}},
+        "systems": systems,
+        "results": results,
+        "ratios": ratios(results),
+    }
+
+
+def _run_ours(opts: BenchOptions, cases: list[Case], warmup: Case, settings: dict[str, Any]) -> CaseResults:
+    _log(f"{OURS}: loading {opts.model}")
+    with LLM(opts.model, dtype="float32", **settings) as llm:
+        ours.run_case(llm, warmup)
+        return _timed(OURS, cases, lambda c: ours.run_case(llm, c))
+
+
+def _run_transformers(
+    opts: BenchOptions, cases: list[Case], warmup: Case
+) -> tuple[dict[str, Any], CaseResults]:
+    import transformers
+
+    _log("transformers: loading")
+    model = hf_peer.load_hf_model(opts.model)
+    hf_peer.run_case(model, warmup, opts.hf_batch_size)
+    results = _timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
+    return {"version": transformers.__version__, "dtype": "float32"}, results
+
+
+def _run_vllm(
+    opts: BenchOptions, cases: list[Case], warmup: Case, settings: dict[str, Any]
+) -> tuple[dict[str, Any], CaseResults | None]:
+    _log(f"vllm: running in {opts.vllm_venv} (a subprocess)")
+    try:
+        version, runs = run_vllm(
+            opts.vllm_venv, opts.model, [warmup, *cases], settings, opts.threads, opts.vllm_timeout_s
+        )
+    except PeerFailed as e:
+        _log(f"vllm: skipped: {e}")
+        return {"error": str(e)}, None
+    return {"version": version, "dtype": "float32"}, {
+        c.name: summarize(runs[c.name], c.batch_size) for c in cases
+    }

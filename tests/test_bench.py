@@ -1,0 +1,81 @@
+"""`launch bench` smoke test: it runs end to end on tiny sizes and reports every documented key (no
+timing assertions: the numbers depend on the machine), plus the metric definitions on fixed times."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from launcher.bench.metrics import CaseRun, RequestTiming, summarize
+from launcher.bench.model import BENCH_CONFIG
+from launcher.cli import main
+
+METRICS = {
+    "requests", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "total_tok_s", "decode_tok_s",
+    "ttft_ms", "ttft_ms_max", "tpot_ms", "peak_rss_mb",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # A shared 2-core machine runs the tiny model far faster on one thread; the keys do not change.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "model"
+    assert main(["bench", "--make-model", str(path)]) == 0
+    return path
+
+
+def test_bench_model_fits_vllm_cpu_mla(bench_model):
+    path = bench_model
+    config = json.loads((path / "config.json").read_text())
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
+    assert config["hidden_size"] == BENCH_CONFIG["hidden_size"] and (path / "tokenizer.json").exists()
+
+
+def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
+    argv = [
+        "bench",
+        "--model",
+        str(bench_model),
+        "--num-requests",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+    ]
+    argv += ["--batch-sizes", "1,2", "--compare", "--hf-batch-size", "2", "--json", str(tmp_path / "r.json")]
+    argv += ["--vllm-venv", str(tmp_path / "no-venv")]  # a missing peer is reported, not fatal
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result == json.loads((tmp_path / "r.json").read_text())
+    assert "TTFT ms" in out and "moelaunch vs transformers" in out and "vllm: not measured" in out
+
+    cases = {"throughput", "latency-b1", "latency-b2"}
+    assert set(result["results"]) == {"moelaunch", "transformers"}
+    for system in result["results"].values():
+        assert set(system) == cases
+        assert all(set(m) == METRICS for m in system.values())
+    assert result["results"]["moelaunch"]["latency-b2"]["output_tokens"] == 2 * 4
+    assert set(result["ratios"]["transformers"]["latency-b2"]) == {"output_tok_s", "decode_tok_s", "ttft"}
+    assert "not found" in result["systems"]["vllm"]["error"]
+
+
+def test_metric_definitions():
+    # Two requests arriving at t=0: first tokens at 1 s and 2 s, then 10 more tokens every 0.1 s.
+    timings = [RequestTiming(0.0, 1.0, 2.0, 5, 11), RequestTiming(0.0, 2.0, 3.0, 7, 11)]
+    m = summarize(CaseRun(timings, 4.0, 100.0), batch_size=2)
+    assert m["ttft_ms"] == 1500 and m["ttft_ms_max"] == 2000 and m["tpot_ms"] == 100
+    assert m["decode_tok_s"] == 20 and m["output_tok_s"] == 5.5 and m["total_tok_s"] == 8.5
+    assert summarize(CaseRun(timings, 4.0, 100.0), batch_size=None)["decode_tok_s"] is None
