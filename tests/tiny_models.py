@@ -56,33 +56,10 @@ def make_hf_model(path: Path, family: str = "v3", seed: int = 0, **overrides: An
     return path
 
 
-SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
-
-
 def add_byte_tokenizer(path: Path) -> Path:
-    """A byte-level tokenizer with DeepSeek's special tokens (bos 0, eos 1) and chat markers: 260 ids,
-    small enough for the tiny models' vocabulary."""
-    import json
+    from model.byte_tokenizer import write_byte_tokenizer
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": SPECIALS[0], "eos_token": SPECIALS[1], "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return write_byte_tokenizer(Path(path))
 
 
 def add_mtp_layer(path: Path) -> Path:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from model.byte_tokenizer import write_byte_tokenizer
+
 BENCH_CONFIG: dict[str, Any] = dict(
     vocab_size=4096,
     hidden_size=256,
@@ -38,13 +40,6 @@ BENCH_CONFIG: dict[str, Any] = dict(
 )
 ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
-SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-)
-
 
 def make_bench_model(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Write a random DeepseekV3ForCausalLM (fp32 safetensors) and a byte-level tokenizer to `path`."""
@@ -58,23 +53,5 @@ def make_bench_model(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     transformers.DeepseekV3ForCausalLM(config).save_pretrained(path)
     config_file = path / "config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **ROUTING}, indent=2))
-    _write_byte_tokenizer(path)
+    write_byte_tokenizer(path)
     return path
-
-
-def _write_byte_tokenizer(path: Path) -> None:
-    """256 byte tokens after DeepSeek's special ones (bos 0, eos 1): the engine needs a tokenizer, the
-    benchmark itself feeds token ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"bos_token": SPECIALS[0], "eos_token": SPECIALS[1], "chat_template": CHAT_TEMPLATE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
