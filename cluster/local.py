@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,11 +13,20 @@ from collections.abc import Mapping
 
 from .rendezvous import RankEnv
 
+PR_SET_PDEATHSIG = 1
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGTERM this process when its parent dies, so a killed rank 0 leaves no worker behind
+    waiting out its collective timeout."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def spawn_workers(
@@ -25,7 +37,8 @@ def spawn_workers(
     for rank in range(1, world_size):
         contract = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port).as_env()
         env = {**os.environ, **(extra_env or {}), **contract}
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env))
+        start = _die_with_parent if sys.platform == "linux" else None
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=start))
     return procs
 
 

@@ -24,6 +24,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check_types()
         checks = [
             ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
@@ -42,6 +43,20 @@ class SamplingParams:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {rule}")
+
+    def _check_types(self) -> None:
+        ints = ("top_k", "max_tokens", "min_tokens", "n")
+        for name in ints + ("temperature", "top_p"):
+            value = getattr(self, name)
+            # bool is an int in Python, and 1.5 tokens is not a count.
+            ok = isinstance(value, int) if name in ints else isinstance(value, (int, float))
+            if not ok or isinstance(value, bool):
+                kind = "an integer" if name in ints else "a number"
+                raise ValueError(f"SamplingParams.{name}={value!r} must be {kind}")
+        for name in ("seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"SamplingParams.{name}={value!r} must be an integer or None")
 
     @property
     def greedy(self) -> bool:
