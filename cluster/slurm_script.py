@@ -41,20 +41,22 @@ class SbatchJob:
             "--requeue",
             "--open-mode=append",
         ]
-        ray_resources = []
         if self.gpus_per_node:
             directives.append(f"--gpus-per-node={self.gpus_per_node}")
         else:
             directives.append(f"--cpus-per-task={self.slots_per_node}")
-            ray_resources = [f"--num-cpus={self.slots_per_node}"]
         directives += [f"--partition={self.partition}"] * bool(self.partition)
         directives += [f"--account={self.account}"] * bool(self.account)
         directives += self.extra_args
+        return "\n".join(["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), self.body()])
+
+    def body(self) -> str:
+        """The bash that runs on the allocation's first node: Ray across the nodes, the command on it.
+        The sbatch script's body; `launch slurm --here` runs it inside an allocation made elsewhere."""
+        ray_resources = [] if self.gpus_per_node else [f"--num-cpus={self.slots_per_node}"]
         command = " ".join(_shell_word(a) for a in self.command)
         symmetric = [RAY, "symmetric-run", "--min-nodes", str(self.nodes), *ray_resources]
         lines = [
-            "#!/bin/bash",
-            *(f"#SBATCH {d}" for d in directives),
             "set -euo pipefail",
             "export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}",
             "# The head is this (the first) node: its first address, and a port free on it.",

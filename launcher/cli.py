@@ -53,7 +53,7 @@ def run_deployment_command(argv: list[str]) -> int:
     from .jobs import run_deployment
 
     args = deployment_parser().parse_args(argv)
-    return run_deployment(load_deploy_config(args.config, args.set))
+    return run_deployment(load_deploy_config(args.config, args.set), args.set)
 
 
 def main(argv: list[str] | None = None) -> int:

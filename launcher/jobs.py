@@ -6,6 +6,7 @@ only use that, so a new backend or a new mode is one entry in a table.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -95,7 +96,22 @@ def run_batch_job(client: LLM, cfg: DeployConfig) -> int:
 MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {"chat": run_chat, "batch": run_batch_job}
 
 
-def run_deployment(cfg: DeployConfig) -> int:
+def run_in_slurm_allocation(cfg: DeployConfig, overrides: list[str]) -> int:
+    """`backend: slurm` inside an allocation: Ray over the allocation's nodes, then the job."""
+    if "SLURM_JOB_ID" not in os.environ:
+        raise cfg.error(
+            "cluster.backend",
+            "slurm",
+            "inside a Slurm allocation only; submit with `launch slurm CONFIG.yaml`",
+        )
+    from .slurm_cmd import run_in_allocation, sbatch_job
+
+    return run_in_allocation(sbatch_job(cfg, Path(cfg.source), overrides))
+
+
+def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int:
+    if cfg.cluster.backend == "slurm":
+        return run_in_slurm_allocation(cfg, overrides or [])
     backend = BACKENDS.get(cfg.cluster.backend)
     if backend is None:
         raise cfg.error(

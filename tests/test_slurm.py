@@ -72,6 +72,22 @@ def test_layout_that_cannot_work_is_refused_before_submitting(tmp_path, capsys):
     assert "#SBATCH" not in captured.out
 
 
+def test_here_outside_an_allocation_says_so(tmp_path, capsys, monkeypatch):
+    for var in ("SLURM_JOB_ID", "SLURMD_NODENAME", "SLURM_JOB_NUM_NODES"):
+        monkeypatch.delenv(var, raising=False)
+    cluster = {"nodes": 2, "devices_per_node": 2, "device": "cpu", "device_memory_gb": 4}
+    config = write_config(tmp_path, "tiny-v3.json", {"tp": 2, "dp": 2}, cluster)
+    assert main(["slurm", str(config), "--here"]) == 1
+    assert "--here runs inside a Slurm allocation (SLURM_JOB_ID is not set)" in capsys.readouterr().err
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    assert main(["slurm", str(config), "--here"]) == 1
+    assert "must run on a node of job 7 (SLURMD_NODENAME is not set)" in capsys.readouterr().err
+    monkeypatch.setenv("SLURMD_NODENAME", "n1")
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "1")
+    assert main(["slurm", str(config), "--here"]) == 1
+    assert "cluster.nodes is 2 but job 7 has 1 node(s)" in capsys.readouterr().err
+
+
 # --- a real Slurm: two emulated nodes, each in its own network namespace ------------------------
 
 PROMPTS = {"a": "hello world", "b": "the quick brown fox", "c": "moelaunch", "d": "12+34="}
@@ -90,15 +106,24 @@ def slurm():
     assert not cluster.leftovers(), "a process of the test Slurm outlived it"
 
 
-@pytest.mark.slow
-def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm):
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny")
+    return str(add_byte_tokenizer(make_hf_model(path, "v3", num_hidden_layers=2)))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> dict[str, list[int]]:
+    """Greedy token ids from one process: what the two-node job must reproduce."""
     from launcher import LLM, SamplingParams
 
-    checkpoint = str(add_byte_tokenizer(make_hf_model(tmp_path / "tiny", "v3", num_hidden_layers=2)))
     with LLM(checkpoint, max_model_len=128) as llm:
         outs = llm.generate(list(PROMPTS.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    reference = {k: o.outputs[0].token_ids for k, o in zip(PROMPTS, outs, strict=True)}
+    return {k: o.outputs[0].token_ids for k, o in zip(PROMPTS, outs, strict=True)}
 
+
+def batch_deployment(tmp_path: Path, checkpoint: str) -> Path:
+    """tp2 x dp2 over 2 nodes x 2 CPU slots, a batch job over PROMPTS."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": k, "prompt": p}) + "\n" for k, p in PROMPTS.items()))
     cfg = {
@@ -125,24 +150,56 @@ def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm):
     }
     config = tmp_path / "deploy.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    # sbatch exports this environment to the job: the checkout on PYTHONPATH, Ray's files in the test's dir.
-    env = node_env(RAY_TMPDIR=str(slurm.state / "ray"))
-    done = slurm.client(
-        [sys.executable, "-m", "launcher.cli", "slurm", str(config)], env=env, timeout_s=60, cwd=tmp_path
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    job_id = re.search(r"submitted Slurm job (\d+)", done.stdout).group(1)
-    out_file = tmp_path / f"moelaunch-deploy-{job_id}.out"
+    return config
+
+
+def job_env(slurm) -> dict[str, str]:
+    # sbatch exports this environment to the job: the checkout on PYTHONPATH, Ray's files in the
+    # cluster's state dir (not the machine's /tmp/ray).
+    return node_env(RAY_TMPDIR=str(slurm.state / "ray"))
+
+
+def finish(slurm, job_id: str, out_file: Path, timeout_s: float = 180) -> str:
+    """Wait for the job; fail with its output unless it completed. Returns the output."""
     try:
-        state = slurm.wait_job(job_id, timeout_s=180)
+        state = slurm.wait_job(job_id, timeout_s=timeout_s)
     finally:
         output = out_file.read_text(errors="replace") if out_file.exists() else "(no job output)"
         print(output[-4000:])  # shown by pytest when the test fails
     assert state in (None, "COMPLETED"), f"job {job_id} ended {state}:\n{output[-4000:]}\n{slurm.logs()}"
+    return output
 
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+
+def assert_results(path: Path, reference: dict[str, list[int]], output: str) -> None:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(PROMPTS), "every id exactly once"
     assert {r["id"]: r["token_ids"] for r in rows} == reference
-    # Ray really spanned both nodes' addresses.
+    # Ray really spanned both nodes' addresses, head on the first.
     assert "Ray head at 10.202.0.1:" in output
-    assert "10.202.0.2" in output, output[-3000:]
+    ranks = re.findall(r"ray: rank \d+ on node ([\d.]+)", output)
+    assert sorted(set(ranks)) == ["10.202.0.1", "10.202.0.2"], output[-3000:]
+
+
+@pytest.mark.slow
+def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm, checkpoint, reference):
+    config = batch_deployment(tmp_path, checkpoint)
+    cmd = [sys.executable, "-m", "launcher.cli", "slurm", str(config)]
+    done = slurm.client(cmd, env=job_env(slurm), timeout_s=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job_id = re.search(r"submitted Slurm job (\d+)", done.stdout).group(1)
+    output = finish(slurm, job_id, tmp_path / f"moelaunch-deploy-{job_id}.out")
+    assert_results(tmp_path / "results.jsonl", reference, output)
+
+
+@pytest.mark.slow
+def test_launch_slurm_here_uses_the_allocation_it_runs_in(tmp_path, slurm, checkpoint, reference):
+    # An allocation made by hand (as salloc or a user's own script would); the launcher runs inside it.
+    config = batch_deployment(tmp_path, checkpoint)
+    launch = f"{sys.executable} -m launcher.cli slurm {config} --here"
+    out_file = tmp_path / "allocation.out"
+    sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
+    sbatch += [f"--output={out_file}", "--time=00:05:00", f"--wrap={launch}"]
+    done = slurm.client(sbatch, env=job_env(slurm), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    output = finish(slurm, done.stdout.strip().split(";")[0], out_file)
+    assert_results(tmp_path / "results.jsonl", reference, output)
