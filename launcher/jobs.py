@@ -6,6 +6,7 @@ only use that, so a new backend or a new mode is one entry in a table.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -93,7 +94,29 @@ def run_batch_job(client: LLM, cfg: DeployConfig) -> int:
     return 0
 
 
-MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {"chat": run_chat, "batch": run_batch_job}
+def run_bench_job(client: LLM, cfg: DeployConfig) -> int:
+    """Throughput and latency of the deployment as it runs (peers: `launch bench --compare`)."""
+    from .bench.report import OURS, results_table
+    from .bench.suite import BenchOptions, build_cases, run_ours_on
+    from .bench.workloads import warmup_case
+
+    job = cfg.job
+    opts = BenchOptions(model=client.spec.model, num_requests=job.num_requests, input_len=job.input_len,
+                        output_len=job.output_len)  # fmt: skip
+    vocab = json.loads((Path(client.spec.model) / "config.json").read_text())["vocab_size"]
+    results = {OURS: run_ours_on(client, build_cases(opts, vocab), warmup_case(vocab))}
+    print(results_table(results))
+    print(json.dumps(results))
+    if job.output:
+        Path(job.output).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {
+    "chat": run_chat,
+    "batch": run_batch_job,
+    "bench": run_bench_job,
+}
 
 
 def run_in_slurm_allocation(cfg: DeployConfig, overrides: list[str]) -> int:

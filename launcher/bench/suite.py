@@ -61,7 +61,7 @@ def _log(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
-def _timed(system: str, cases: list[Case], run: Callable[[Case], CaseRun]) -> CaseResults:
+def timed(system: str, cases: list[Case], run: Callable[[Case], CaseRun]) -> CaseResults:
     out = {}
     for case in cases:
         _log(f"{system} {case.name} ({len(case.requests)} requests)")
@@ -109,8 +109,13 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
 def _run_ours(opts: BenchOptions, cases: list[Case], warmup: Case, settings: dict[str, Any]) -> CaseResults:
     _log(f"{OURS}: loading {opts.model}")
     with LLM(opts.model, dtype="float32", **settings) as llm:
-        ours.run_case(llm, warmup)
-        return _timed(OURS, cases, lambda c: ours.run_case(llm, c))
+        return run_ours_on(llm, cases, warmup)
+
+
+def run_ours_on(llm: LLM, cases: list[Case], warmup: Case) -> CaseResults:
+    """The cases on an already running engine client (any backend), after an untimed warmup."""
+    ours.run_case(llm, warmup)
+    return timed(OURS, cases, lambda c: ours.run_case(llm, c))
 
 
 def _run_transformers(
@@ -121,7 +126,7 @@ def _run_transformers(
     _log("transformers: loading")
     model = hf_peer.load_hf_model(opts.model)
     hf_peer.run_case(model, warmup, opts.hf_batch_size)
-    results = _timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
+    results = timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
     return {"version": transformers.__version__, "dtype": "float32"}, results
 
 

@@ -1,0 +1,55 @@
+"""`launch CONFIG.yaml` job modes on the local backend, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from tiny_models import add_byte_tokenizer, make_hf_model
+
+from launcher import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return add_byte_tokenizer(make_hf_model(tmp_path_factory.mktemp("jobs"), "v3", num_hidden_layers=2))
+
+
+def deployment(tmp_path, checkpoint, job: str) -> str:
+    path = tmp_path / "deploy.yaml"
+    cluster = "{backend: local, nodes: 1, devices_per_node: 1, device: cpu}"
+    path.write_text(f"model: {checkpoint}\ncluster: {cluster}\njob: {job}\n")
+    return str(path)
+
+
+def launch(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "launcher.cli", *args]
+    return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=180)
+
+
+def test_chat_mode_reads_turns_from_stdin(tmp_path, checkpoint):
+    config = deployment(tmp_path, checkpoint, "{mode: chat, max_tokens: 5, temperature: 0}")
+    done = launch(config, stdin="hello\n/clear\nhello\n")
+    assert done.returncode == 0, done.stderr
+    with LLM(str(checkpoint), kv_cache_memory=1_000_000) as llm:
+        reply = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=5))
+    text = reply[0].outputs[0].text
+    assert done.stdout.count(f">>> hello\n{text}\n") == 2  # the same answer after /clear
+
+
+def test_bench_mode_reports_every_case(tmp_path, checkpoint):
+    out = tmp_path / "bench.json"
+    job = f"{{mode: bench, num_requests: 3, input_len: 6, output_len: 4, output: {out}}}"
+    done = launch(deployment(tmp_path, checkpoint, job))
+    assert done.returncode == 0, done.stderr
+    results = json.loads(out.read_text())["moelaunch"]
+    assert set(results) == {"throughput", "latency-b1", "latency-b8", "latency-b64"}
+    assert results["latency-b8"]["output_tokens"] == 8 * 4
+
+
+def test_layout_that_does_not_fit_fails_before_starting_anything(tmp_path, checkpoint):
+    done = launch(deployment(tmp_path, checkpoint, "{mode: chat}"), "--set", "parallel.tp=3")
+    assert done.returncode == 1
+    assert "needs dp*pp*tp" in done.stderr and "Traceback" not in done.stderr
