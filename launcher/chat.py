@@ -3,6 +3,8 @@ streamed reply, `/clear` to forget the conversation, `/exit` to quit."""
 
 from __future__ import annotations
 
+import select
+import sys
 from collections.abc import Callable, Iterable
 
 from .engine.engine import run_to_completion
@@ -27,10 +29,16 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
         messages.append({"role": "assistant", "content": streamer.text})
 
 
-def terminal_lines(prompt: str = ">>> ") -> Iterable[str]:
-    """Lines typed at a prompt, until end of input."""
+def terminal_lines(
+    prompt: str = ">>> ", on_idle: Callable[[], None] | None = None, idle_s: float = 30.0
+) -> Iterable[str]:
+    """Lines typed at a prompt, until end of input; on_idle runs every idle_s seconds of waiting
+    (keeps the other ranks of a multi-process engine from timing out while a person thinks)."""
     while True:
-        try:
-            yield input(prompt)
-        except EOFError:
+        print(prompt, end="", flush=True)
+        while on_idle is not None and not select.select([sys.stdin], [], [], idle_s)[0]:
+            on_idle()
+        line = sys.stdin.readline()
+        if not line:
             return
+        yield line.rstrip("\n")

@@ -82,7 +82,12 @@ def run_file(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 
 def run_interactive(engine: LLMEngine, args: argparse.Namespace) -> None:
-    chat_loop(engine, engine.tokenizer, lambda turn: params(args, turn), terminal_lines())
+    chat_loop(
+        engine,
+        engine.tokenizer,
+        lambda turn: params(args, turn),
+        terminal_lines(on_idle=engine.keepalive, idle_s=args.timeout / 3),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

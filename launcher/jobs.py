@@ -65,7 +65,8 @@ def run_chat(client: LLM, cfg: DeployConfig) -> int:
 
     if sys.stdin.isatty():
         print("Chat (/clear resets the conversation, /exit quits).")
-        lines = terminal_lines()
+        idle_s = cfg.cluster.timeouts.collective_s / 3
+        lines = terminal_lines(on_idle=client.engine.keepalive, idle_s=idle_s)
     else:
         # Piped turns, one per line; with nothing piped in, a short demo.
         piped = [line.rstrip("\n") for line in sys.stdin]

@@ -42,6 +42,9 @@ class EngineProxy:
     def abort(self, request_id: str) -> None:
         self._group.call("abort", request_id)
 
+    def keepalive(self) -> None:
+        self._group.call("keepalive")
+
 
 class RayLLM:
     def __init__(self, cfg: DeployConfig, spec: EngineSpec) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pexpect
 import pytest
@@ -83,8 +84,10 @@ def test_interactive_chat_across_two_ranks(checkpoint):
         checkpoint,
     ]
     args += ["--interactive", "--max-new-tokens", "10", "--temperature", "0", "--dp", "2", "--tp", "1"]
+    args += ["--timeout", "6"]  # peers give up after 6 s of silence: the pause below must not kill them
     chat = pexpect.spawn(sys.executable, TORCHRUN[1:] + args, encoding="utf-8", timeout=120)
     chat.expect_exact(">>> ")
+    time.sleep(10)  # a person thinking for longer than the collective timeout
     chat.sendline(question)
     chat.expect_exact(">>> ")
     first = chat.before

@@ -46,6 +46,7 @@ class StepCommand:
     new: list[NewSequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     stop: bool = False
+    keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
 
 
 @dataclass
@@ -191,13 +192,20 @@ class LLMEngine:
         if self.mesh.world.size > 1:
             self._broadcast(StepCommand(stop=True))
 
+    def keepalive(self) -> None:
+        """While rank 0 waits on a person (a chat prompt), tell the peers it is alive: their wait for
+        the next command is a collective with a timeout."""
+        if self.mesh.world.size > 1:
+            self._broadcast(StepCommand(keepalive=True))
+
     def worker_loop(self) -> None:
         """Ranks other than 0: follow rank 0's commands until it stops."""
         while True:
             command = self._broadcast(None)
             if command.stop:
                 return
-            self._execute(command)
+            if not command.keepalive:
+                self._execute(command)
 
     def _broadcast(self, command: StepCommand | None) -> StepCommand:
         if self.mesh.world.size == 1:
