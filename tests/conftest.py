@@ -2,5 +2,19 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Triton picks interpreter vs compiled when a kernel is decorated; CPU-only test machines need the former.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """A tiny model runs far faster on one thread than with threads fighting other processes for a
+    shared machine's cores; outputs do not depend on it."""
+    import torch  # here, not at the top: TRITON_INTERPRET must be set before anything loads Triton
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from launcher import LLM, SamplingParams
@@ -23,14 +22,7 @@ KV = "4000000"
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # On a shared 2-core machine a tiny model runs ~10x faster with one thread than with threads
-    # fighting other processes for the cores; outputs do not depend on it.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

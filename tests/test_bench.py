@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from launcher.bench.metrics import CaseRun, RequestTiming, summarize
 from launcher.bench.model import BENCH_CONFIG
@@ -18,13 +17,7 @@ METRICS = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # A shared 2-core machine runs the tiny model far faster on one thread; the keys do not change.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
