@@ -1,4 +1,5 @@
-"""Block-scaled FP8 and paged MLA decode kernels: Triton on CUDA, torch references on the CPU.
+"""Block-scaled FP8 and paged MLA decode kernels: Triton on CUDA; on the CPU a C++ paged MLA decode
+and torch references for the rest.
 
 The choice is made per call by `kernels.dispatch`.
 """
@@ -10,6 +11,7 @@ from kernels.dispatch import (
     fp8_gemm,
     fp8_linear,
     paged_mla_decode,
+    prepare_cpu_kernels,
     use_triton,
     weight_dequant,
     weight_quant,
@@ -23,6 +25,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_linear",
     "paged_mla_decode",
+    "prepare_cpu_kernels",
     "use_triton",
     "weight_dequant",
     "weight_quant",

@@ -1,7 +1,8 @@
 """Device-based choice between the Triton kernels and the torch references.
 
 CUDA tensors go to Triton. CPU tensors go to the references, unless MOELAUNCH_TRITON_ON_CPU=1 and
-TRITON_INTERPRET=1 are both set, which runs the Triton kernels in the interpreter (for tests).
+TRITON_INTERPRET=1 are both set, which runs the Triton kernels in the interpreter (for tests). Paged MLA
+decode has a C++ kernel for the CPU, used when it builds (MOELAUNCH_CPU_KERNELS=0 keeps the reference).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels import fp8_reference as ref
+from kernels import mla_decode_cpu as mla_cpu
 from kernels import mla_decode_reference as mla_ref
 from kernels.fp8_reference import BLOCK_SIZE
 
@@ -80,9 +82,20 @@ def _mla_triton() -> ModuleType:
     return mla_decode_triton
 
 
+def prepare_cpu_kernels() -> bool:
+    """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
+    decode step does not stall while peers wait in a collective. True when they are usable."""
+    return os.environ.get("MOELAUNCH_CPU_KERNELS") != "0" and mla_cpu.available()
+
+
 def paged_mla_decode(
     q_latent: Tensor, q_pe: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
     """Paged MLA decode attention in latent space: [R, H, C] (see `mla_decode_reference`)."""
-    fn = _mla_triton().paged_mla_decode_triton if use_triton(q_latent) else mla_ref.paged_mla_decode_ref
+    if use_triton(q_latent):
+        fn = _mla_triton().paged_mla_decode_triton
+    elif prepare_cpu_kernels():
+        fn = mla_cpu.paged_mla_decode_cpu
+    else:
+        fn = mla_ref.paged_mla_decode_ref
     return fn(q_latent, q_pe, cache, block_table, seq_lens, scale)

@@ -18,3 +18,12 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build the CPU C++ kernels once, before any test: a first build takes a minute, and inside a
+    multi-rank test it would hold one rank while its peers wait in a collective."""
+    from kernels import mla_decode_cpu
+
+    if not mla_decode_cpu.available():
+        pytest.exit("the CPU kernels (kernels/csrc) did not build: see the warning above", returncode=1)

@@ -1,5 +1,6 @@
-"""Paged MLA decode: Triton (interpreted on CPU tensors) against the torch reference, the reference against a
-plain per-row loop over contiguous sequences, and the absorbed form against naive MLA."""
+"""Paged MLA decode: Triton (interpreted on CPU tensors) against the torch reference, the reference and the
+CPU C++ kernel against a plain per-row loop over contiguous sequences, and the absorbed form against
+naive MLA."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import Tensor
 
 import kernels
+from kernels import mla_decode_cpu as cpu
 from kernels import mla_decode_reference as ref
 
 needs_interpreter = pytest.mark.skipif(
@@ -28,14 +30,19 @@ def tri() -> ModuleType:
     return mla_decode_triton
 
 
-@pytest.fixture(params=["reference", "triton"])
+@pytest.fixture(params=["reference", "cpu", "triton"])
 def path(request, monkeypatch) -> str:
+    """Which implementation `kernels.paged_mla_decode` runs, chosen the way a user would (env vars)."""
+    monkeypatch.delenv("MOELAUNCH_TRITON_ON_CPU", raising=False)
+    monkeypatch.delenv("MOELAUNCH_CPU_KERNELS", raising=False)
     if request.param == "triton":
         if os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton kernels run on CPU tensors only when interpreted")
         monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    elif request.param == "reference":
+        monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")
     else:
-        monkeypatch.delenv("MOELAUNCH_TRITON_ON_CPU", raising=False)
+        assert cpu.available(), "the C++ kernel must build here (g++ and ninja are installed)"
     return request.param
 
 
@@ -156,12 +163,20 @@ def test_triton_large_logits(tri):
     torch.testing.assert_close(out, ref.paged_mla_decode_ref(*b.args(), 20.0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("heads", "c_dim", "p_dim", "block_size"), [(4, 64, 16, 4), (1, 16, 8, 16)])
-def test_reference_matches_naive_loop(heads, c_dim, p_dim, block_size):
-    g = torch.Generator().manual_seed(block_size)
+@pytest.mark.parametrize(
+    ("heads", "c_dim", "p_dim", "block_size", "scale"),
+    # 20 heads: two head groups in the C++ kernel, the second partial; scale 20: logits in the hundreds,
+    # which overflow exp without the running max.
+    [(4, 64, 16, 4, 0.3), (1, 16, 8, 16, 0.3), (20, 64, 16, 16, 0.125), (4, 64, 16, 4, 20.0)],
+)
+def test_cpu_paths_match_naive_loop(heads, c_dim, p_dim, block_size, scale):
+    g = torch.Generator().manual_seed(block_size + heads)
     b = _paged_batch(g, heads, c_dim, p_dim, block_size, *_lens_and_sharing(block_size))
-    out = ref.paged_mla_decode_ref(*b.args(), 0.3)
-    torch.testing.assert_close(out.double(), _naive_decode(b, 0.3), rtol=1e-5, atol=1e-6)
+    expected = _naive_decode(b, scale)
+    for fn in (ref.paged_mla_decode_ref, cpu.paged_mla_decode_cpu):
+        out = fn(*b.args(), scale)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_bf16_matches_naive_loop(path):
@@ -199,23 +214,26 @@ def test_absorbed_decode_equals_naive_mla(path):
 
 
 @pytest.mark.parametrize(
-    ("triton_on_cpu", "interpret", "expected"),
+    ("triton_on_cpu", "interpret", "cpu_kernels", "expected"),
     [
-        (None, "1", "paged_mla_decode_ref"),
-        ("1", None, "paged_mla_decode_ref"),
-        ("0", "1", "paged_mla_decode_ref"),
-        pytest.param("1", "1", "paged_mla_decode_triton", marks=needs_interpreter),
+        (None, "1", None, "paged_mla_decode_cpu"),
+        ("1", None, None, "paged_mla_decode_cpu"),
+        ("0", "1", None, "paged_mla_decode_cpu"),
+        (None, None, "0", "paged_mla_decode_ref"),
+        pytest.param("1", "1", None, "paged_mla_decode_triton", marks=needs_interpreter),
     ],
-    ids=["default", "no-interp", "off", "on"],
+    ids=["default", "no-interp", "off", "reference", "on"],
 )
-def test_dispatch_by_device_and_env(monkeypatch, tri, triton_on_cpu, interpret, expected):
-    for var, value in [("MOELAUNCH_TRITON_ON_CPU", triton_on_cpu), ("TRITON_INTERPRET", interpret)]:
+def test_dispatch_by_device_and_env(monkeypatch, tri, triton_on_cpu, interpret, cpu_kernels, expected):
+    env = [("MOELAUNCH_TRITON_ON_CPU", triton_on_cpu), ("TRITON_INTERPRET", interpret)]
+    for var, value in [*env, ("MOELAUNCH_CPU_KERNELS", cpu_kernels)]:
         if value is None:
             monkeypatch.delenv(var, raising=False)
         else:
             monkeypatch.setenv(var, value)
     calls: list[str] = []
-    for module, name in [(tri, "paged_mla_decode_triton"), (ref, "paged_mla_decode_ref")]:
+    targets = [(tri, "paged_mla_decode_triton"), (ref, "paged_mla_decode_ref"), (cpu, "paged_mla_decode_cpu")]
+    for module, name in targets:
         monkeypatch.setattr(module, name, lambda *args, _name=name: calls.append(_name))
     b = _paged_batch(torch.Generator().manual_seed(0), 1, 16, 8, 4, [3], [0])
     kernels.paged_mla_decode(*b.args(), 1.0)

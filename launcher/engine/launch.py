@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
 from cluster.rendezvous import RankEnv, init_distributed
 from parallel.mesh import MeshShape, ParallelMesh
 
@@ -48,6 +49,8 @@ class EngineSpec:
 def build_engine(spec: EngineSpec, rank_env: RankEnv | None = None) -> LLMEngine:
     """Join the job (if several ranks), build the mesh and this rank's engine."""
     env = rank_env or RankEnv.from_env()
+    if not torch.cuda.is_available():
+        kernels.prepare_cpu_kernels()  # before any collective: a first build takes a minute
     backend = init_distributed(env, spec.engine.timeout_s)
     if spec.world > 1:
         mesh = ParallelMesh.build(MeshShape(spec.dp, spec.pp, spec.tp), spec.engine.timeout_s)
