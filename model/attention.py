@@ -114,13 +114,19 @@ class MLA(nn.Module):
         """Equal-length sequences without a cache (training, the [B, T] API): one fused causal
         attention over the whole batch instead of a loop over sequences."""
         t = q_nope.shape[0] // batch
-        kv = self.kv_b_proj(kv).view(batch, t, self.n_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k_pe = k_pe.view(batch, t, 1, self.rope_dim).expand(-1, -1, self.n_heads, -1)
-        q = torch.cat([q_nope, q_pe], dim=-1).view(batch, t, self.n_heads, -1).transpose(1, 2)
-        k = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.scale)
+        k, v = self._keys_values(kv.view(batch, t, -1), k_pe.view(batch, t, -1))
+        q = torch.cat([q_nope, q_pe], dim=-1).view(batch, t, self.n_heads, -1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
+        )
         return out.transpose(1, 2).reshape(batch * t, self.n_heads, self.v_dim)
+
+    def _keys_values(self, kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head keys [..., S, H, nope + rope] and values [..., S, H, v] expanded from the latent."""
+        kv = self.kv_b_proj(kv).unflatten(-1, (self.n_heads, self.nope_dim + self.v_dim))
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)
+        return torch.cat([k_nope, k_pe], dim=-1), v
 
     def _decode_batch(self, q_nope, q_pe, layout: BatchLayout, spans: list[int], layer: int, out) -> None:
         """All single-token spans at once, in the absorbed form over the paged latent cache."""
@@ -138,12 +144,15 @@ class MLA(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _naive(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
-        """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens."""
-        kv = self.kv_b_proj(kv).view(kv.shape[0], self.n_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        scores = torch.einsum("thd,shd->hts", q_nope, k_nope) + torch.einsum("thr,sr->hts", q_pe, k_pe)
-        probs = self._softmax(scores, mask).to(v.dtype)
-        return torch.einsum("hts,shd->thd", probs, v)
+        """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens, in one
+        fused attention (the mask, additive [T, S], puts the queries at the last T positions)."""
+        k, v = self._keys_values(kv, k_pe)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = None if mask is None else mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale
+        )
+        return out.transpose(0, 1)
 
     def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
         """Attention in the latent space: W_UK folded into the query, W_UV applied after."""
