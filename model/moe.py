@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelArgs
 from .gate import Gate
 from .mlp import MLP
+
+# Rows per expert up to which one zero-padded batched GEMM over the stacked experts beats a GEMM per
+# expert: decode-sized groups, where per-call overhead outweighs the padding's wasted arithmetic.
+STACKED_MAX_ROWS = 64
 
 
 class MoE(nn.Module):
@@ -20,6 +25,10 @@ class MoE(nn.Module):
         self.n_routed_experts = args.n_routed_experts
         self.gate = Gate(args)
         self.experts = nn.ModuleDict({str(j): MLP(args.hidden_size, args.moe_intermediate_size) for j in ids})
+        self.local_ids = list(ids)
+        # Set by stack_experts(): every local expert's [gate; up] and down weights, one tensor each.
+        self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
         self.shared_experts = (
             MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
             if args.n_shared_experts
@@ -45,11 +54,39 @@ class MoE(nn.Module):
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_slot, y)
 
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """Stack the local experts' weights for inference on small batches (see run_stacked).
+
+        Each expert's parameters become views of the stacks, so nothing is held twice and the experts
+        still work one by one. Only plain float weights stack (block-FP8 experts keep their kernels).
+        """
+        mlps = [self.experts[str(j)] for j in self.local_ids]
+        linears = [lin for m in mlps for lin in (m.gate_proj, m.up_proj, m.down_proj)]
+        if not mlps or any(lin.weight.element_size() < 2 for lin in linears):
+            return
+        self.gate_up = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in mlps])
+        self.down = torch.stack([m.down_proj.weight for m in mlps])
+        inter = mlps[0].gate_proj.out_features
+        for e, m in enumerate(mlps):
+            m.gate_proj.weight = nn.Parameter(self.gate_up[e, :inter], requires_grad=False)
+            m.up_proj.weight = nn.Parameter(self.gate_up[e, inter:], requires_grad=False)
+            m.down_proj.weight = nn.Parameter(self.down[e], requires_grad=False)
+
     def run_grouped(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Apply expert j to the j-th run of rows of x_sorted (rows grouped by expert, counts[j] each).
 
         `counts` is indexed by global expert id; experts not held here must have count 0.
         """
+        local_counts = [counts[j] for j in self.local_ids]
+        busy = sum(n > 0 for n in local_counts)
+        # Stacked only when most experts have rows: the batched GEMM reads every expert's weights.
+        if (
+            self.gate_up is not None
+            and 2 * busy >= len(local_counts)
+            and max(local_counts) <= STACKED_MAX_ROWS
+        ):
+            return self.run_stacked(x_sorted, local_counts)
         out = torch.empty_like(x_sorted)
         start = 0
         for j, n in enumerate(counts):
@@ -57,3 +94,20 @@ class MoE(nn.Module):
                 out[start : start + n] = self.experts[str(j)](x_sorted[start : start + n])
                 start += n
         return out
+
+    def run_stacked(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
+        """run_grouped as two batched GEMMs: each local expert's rows zero-padded to the largest group."""
+        n_local, width = len(local_counts), max(local_counts)
+        counts = torch.tensor(local_counts, device=x_sorted.device)
+        group_start = (counts.cumsum(0) - counts).repeat_interleave(counts)
+        row = torch.arange(x_sorted.shape[0], device=x_sorted.device)
+        slot = (
+            (torch.arange(n_local, device=x_sorted.device) * width).repeat_interleave(counts)
+            + row
+            - group_start
+        )
+        padded = x_sorted.new_zeros(n_local * width, x_sorted.shape[1])
+        padded[slot] = x_sorted
+        gate, up = torch.bmm(padded.view(n_local, width, -1), self.gate_up.transpose(1, 2)).chunk(2, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))
+        return y.view(n_local * width, -1)[slot]

@@ -118,6 +118,12 @@ class Transformer(nn.Module):
         """Global indices of the decoder (and MTP) layers this module holds."""
         return [int(i) for i in self.model.layers] + [layer.layer_id for layer in self.mtp]
 
+    def stack_experts(self) -> None:
+        """Stack every MoE layer's routed experts for fast small-batch inference (MoE.stack_experts)."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.stack_experts()
+
     def compute_dtype(self) -> torch.dtype:
         # Norm weights are never quantized: their dtype is the compute dtype.
         return next(iter(self.model.layers.values())).input_layernorm.weight.dtype

@@ -100,6 +100,7 @@ class LLMEngine:
             owners = self.config.expert_placement
             placement = ExpertPlacement.from_map(owners, len(owners), mesh.shape.ep)
         self.model = load_shard(model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement)
+        self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
             raise ValueError(
                 f"speculative='mtp' but {model_path} has no MTP weights (num_nextn_predict_layers)"
