@@ -25,7 +25,7 @@ DEMO_QUESTIONS = (
     "What is 12+34?",
     "Reverse hello",
     "Sort 42 7 19",
-    "Count a in banana",
+    "In banana, count a",
     "What is 91-27?",
 )
 

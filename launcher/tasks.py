@@ -1,9 +1,10 @@
 """The synthetic chat task family the shipped small model is trained and scored on.
 
 Every problem has one exact answer: addition and subtraction of numbers up to 2 digits, reversing a
-word of 3-6 letters, sorting 3-4 numbers below 100, counting a letter in a word. The difficulty is what
-the shipped 2.3M-parameter model masters in its CPU training budget. The held-out set is fixed (its own
-seed, the kinds in rotation) and the training stream never yields one of its prompts.
+word of 3-6 letters, sorting 3-4 numbers below 100, counting a letter in a 6-letter word. The
+difficulty is what the shipped 2.3M-parameter model masters in its CPU training budget. The held-out
+set is fixed (its own seed, the kinds in rotation) and the training stream never yields one of its
+prompts.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from functools import cache
 HELD_OUT_SIZE = 1000
 HELD_OUT_SEED = 20250101
 MAX_DIGITS = 2
+COUNT_WORD_LENGTH = 6
 LETTERS = string.ascii_lowercase
 # The instruction words the tokenizer keeps whole; task content is spelled one character a token.
-WORDS = ("What", "is", "Reverse", "Sort", "Count", "in")
+WORDS = ("What", "is", "Reverse", "Sort", "In", "count")
 
 
 @dataclass(frozen=True)
@@ -67,12 +69,14 @@ def _sort(rng: random.Random) -> Problem:
 
 
 def _count(rng: random.Random) -> Problem:
-    # The count is drawn first (0-3, uniform) so that no single answer is a safe guess.
+    # The count is drawn first (0-3, uniform) so that no single answer is a safe guess. The letter comes
+    # last, where the answer is asked for, and the word length is fixed: attention then sees the
+    # matches as a share of a prompt of constant length, which encodes the count directly.
     letter, n = rng.choice(LETTERS), rng.randint(0, 3)
     others = LETTERS.replace(letter, "")
-    chars = [letter] * n + [rng.choice(others) for _ in range(rng.randint(max(4, n), 8) - n)]
+    chars = [letter] * n + [rng.choice(others) for _ in range(COUNT_WORD_LENGTH - n)]
     rng.shuffle(chars)
-    return Problem("count", f"Count {letter} in {''.join(chars)}", str(n))
+    return Problem("count", f"In {''.join(chars)}, count {letter}", str(n))
 
 
 KINDS: dict[str, Callable[[random.Random], Problem]] = {
@@ -82,6 +86,9 @@ KINDS: dict[str, Callable[[random.Random], Problem]] = {
     "sort": _sort,
     "count": _count,
 }
+# How often training draws each kind: the word games are learned quickly, the arithmetic and the
+# counting need more examples.
+TRAINING_MIX = {"add": 0.2, "sub": 0.2, "reverse": 0.15, "sort": 0.2, "count": 0.25}
 
 
 @cache
@@ -108,10 +115,11 @@ def held_out_sample(n: int) -> tuple[Problem, ...]:
 def training_stream(seed: int) -> Iterator[Problem]:
     """Endless random problems of every kind, none of them in the held-out set."""
     rng = random.Random(seed)
-    makers = list(KINDS.values())
+    makers = [KINDS[kind] for kind in TRAINING_MIX]
+    weights = list(TRAINING_MIX.values())
     excluded = {p.prompt for p in held_out()}
     while True:
-        p = rng.choice(makers)(rng)
+        p = rng.choices(makers, weights)[0](rng)
         if p.prompt not in excluded:
             yield p
 

@@ -31,8 +31,8 @@ from .tokenizer import build_tokenizer, tokenizer_config
 @dataclass
 class TrainConfig:
     out: Path
-    steps: int = 4000
-    batch: int = 32
+    steps: int = 3000
+    batch: int = 128
     lr: float = 2e-3
     warmup: int = 100
     mtp_weight: float = 0.3
