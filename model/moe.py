@@ -99,13 +99,10 @@ class MoE(nn.Module):
         """run_grouped as two batched GEMMs: each local expert's rows zero-padded to the largest group."""
         n_local, width = len(local_counts), max(local_counts)
         counts = torch.tensor(local_counts, device=x_sorted.device)
-        group_start = (counts.cumsum(0) - counts).repeat_interleave(counts)
-        row = torch.arange(x_sorted.shape[0], device=x_sorted.device)
-        slot = (
-            (torch.arange(n_local, device=x_sorted.device) * width).repeat_interleave(counts)
-            + row
-            - group_start
-        )
+        # Row i of expert e's group goes to padded slot e * width + i.
+        group = torch.arange(n_local, device=x_sorted.device).repeat_interleave(counts)
+        first_row = counts.cumsum(0) - counts
+        slot = group * width + torch.arange(x_sorted.shape[0], device=x_sorted.device) - first_row[group]
         padded = x_sorted.new_zeros(n_local * width, x_sorted.shape[1])
         padded[slot] = x_sorted
         gate, up = torch.bmm(padded.view(n_local, width, -1), self.gate_up.transpose(1, 2)).chunk(2, dim=-1)
