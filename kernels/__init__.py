@@ -1,5 +1,5 @@
-"""Block-scaled FP8 and paged MLA decode kernels: Triton on CUDA; on the CPU a C++ paged MLA decode
-and torch references for the rest.
+"""Block-scaled FP8, paged MLA decode and few-row linear kernels: Triton on CUDA; on the CPU C++ kernels
+for paged MLA decode and few-row linears, torch references for the rest.
 
 The choice is made per call by `kernels.dispatch`.
 """
@@ -10,9 +10,12 @@ from kernels.dispatch import (
     act_quant,
     fp8_gemm,
     fp8_linear,
+    grouped_linear,
+    linear,
     paged_mla_decode,
     prepare_cpu_kernels,
     use_triton,
+    uses_grouped_linear_kernel,
     weight_dequant,
     weight_quant,
 )
@@ -24,9 +27,12 @@ __all__ = [
     "act_quant",
     "fp8_gemm",
     "fp8_linear",
+    "grouped_linear",
+    "linear",
     "paged_mla_decode",
     "prepare_cpu_kernels",
     "use_triton",
+    "uses_grouped_linear_kernel",
     "weight_dequant",
     "weight_quant",
 ]

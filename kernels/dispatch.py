@@ -2,11 +2,13 @@
 
 CUDA tensors go to Triton. CPU tensors go to the references, unless MOELAUNCH_TRITON_ON_CPU=1 and
 TRITON_INTERPRET=1 are both set, which runs the Triton kernels in the interpreter (for tests). Paged MLA
-decode has a C++ kernel for the CPU, used when it builds (MOELAUNCH_CPU_KERNELS=0 keeps the reference).
+decode and few-row linear layers have C++ kernels for the CPU, used when they build
+(MOELAUNCH_CPU_KERNELS=0 keeps the torch paths).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from types import ModuleType
 
@@ -14,7 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_extension
 from kernels import fp8_reference as ref
+from kernels import grouped_linear_cpu as linear_cpu
 from kernels import mla_decode_cpu as mla_cpu
 from kernels import mla_decode_reference as mla_ref
 from kernels.fp8_reference import BLOCK_SIZE
@@ -85,7 +89,7 @@ def _mla_triton() -> ModuleType:
 def prepare_cpu_kernels() -> bool:
     """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
     decode step does not stall while peers wait in a collective. True when they are usable."""
-    return os.environ.get("MOELAUNCH_CPU_KERNELS") != "0" and mla_cpu.available()
+    return cpu_extension.module() is not None
 
 
 def paged_mla_decode(
@@ -99,3 +103,38 @@ def paged_mla_decode(
     else:
         fn = mla_ref.paged_mla_decode_ref
     return fn(q_latent, q_pe, cache, block_table, seq_lens, scale)
+
+
+# Rows per group up to which the CPU kernel beats BLAS (measured with cold weights on an AVX2 core: it
+# streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
+GROUPED_LINEAR_MAX_ROWS = 16
+
+
+def uses_grouped_linear_kernel(x: Tensor, max_rows: int, weight: Tensor) -> bool:
+    """Whether `linear`/`grouped_linear` take the CPU kernel for groups of at most `max_rows` rows.
+
+    Never under autograd (the kernel has no backward): training keeps F.linear.
+    """
+    return (
+        not x.is_cuda
+        and x.dtype == torch.float32
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and max_rows <= GROUPED_LINEAR_MAX_ROWS
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and prepare_cpu_kernels()
+    )
+
+
+def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    """Rows offsets[g]:offsets[g+1] of x [T, K] times weight[g].T ([G, N, K]) -> [T, N]; CPU kernel only
+    (check `uses_grouped_linear_kernel` first)."""
+    return linear_cpu.grouped_linear_cpu(x, weight, offsets)
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T for a plain float weight: the CPU kernel for few rows, F.linear otherwise."""
+    rows = math.prod(x.shape[:-1])
+    if not uses_grouped_linear_kernel(x, rows, weight):
+        return F.linear(x, weight)
+    out = grouped_linear(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), torch.tensor([0, rows]))
+    return out.view(*x.shape[:-1], weight.shape[0])

@@ -1,14 +1,14 @@
 """The one linear layer every projection goes through; it picks the kernel by the weight's format.
 
-Plain weights (fp32/bf16) use F.linear. Block-FP8 weights (float8_e4m3fn plus a `weight_scale_inv`
-of 128x128 block scales, as in DeepSeek's checkpoints) run the W8A8 path: activations quantized per
-1x128 block, then a block-scaled GEMM with fp32 accumulation.
+Plain weights (fp32/bf16) use F.linear, or on the CPU a kernel for decode-sized inputs (few rows).
+Block-FP8 weights (float8_e4m3fn plus a `weight_scale_inv` of 128x128 block scales, as in DeepSeek's
+checkpoints) run the W8A8 path: activations quantized per 1x128 block, then a block-scaled GEMM with
+fp32 accumulation.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -27,7 +27,7 @@ class Linear(nn.Module):
         if self.weight.dtype == torch.float8_e4m3fn:
             assert self.weight_scale_inv is not None, "FP8 weight loaded without its weight_scale_inv"
             return kernels.fp8_linear(x, self.weight, self.weight_scale_inv)
-        return F.linear(x, self.weight)
+        return kernels.linear(x, self.weight)
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a plain matrix in `dtype` (for the absorbed MLA form, which folds it)."""

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from .config import ModelArgs
 from .gate import Gate
 from .mlp import MLP
@@ -79,13 +81,12 @@ class MoE(nn.Module):
         `counts` is indexed by global expert id; experts not held here must have count 0.
         """
         local_counts = [counts[j] for j in self.local_ids]
+        stacked = self.gate_up is not None
+        if stacked and kernels.uses_grouped_linear_kernel(x_sorted, max(local_counts), self.gate_up):
+            return self.run_grouped_kernel(x_sorted, local_counts)
         busy = sum(n > 0 for n in local_counts)
         # Stacked only when most experts have rows: the batched GEMM reads every expert's weights.
-        if (
-            self.gate_up is not None
-            and 2 * busy >= len(local_counts)
-            and max(local_counts) <= STACKED_MAX_ROWS
-        ):
+        if stacked and 2 * busy >= len(local_counts) and max(local_counts) <= STACKED_MAX_ROWS:
             return self.run_stacked(x_sorted, local_counts)
         out = torch.empty_like(x_sorted)
         start = 0
@@ -94,6 +95,12 @@ class MoE(nn.Module):
                 out[start : start + n] = self.experts[str(j)](x_sorted[start : start + n])
                 start += n
         return out
+
+    def run_grouped_kernel(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
+        """run_grouped through the CPU grouped-linear kernel: no padding, idle experts' weights unread."""
+        offsets = torch.tensor([0, *local_counts]).cumsum(0)
+        gate, up = kernels.grouped_linear(x_sorted, self.gate_up, offsets).chunk(2, dim=-1)
+        return kernels.grouped_linear(F.silu(gate) * up, self.down, offsets)
 
     def run_stacked(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
         """run_grouped as two batched GEMMs: each local expert's rows zero-padded to the largest group."""

@@ -23,7 +23,7 @@ def one_torch_thread():
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the CPU C++ kernels once, before any test: a first build takes a minute, and inside a
     multi-rank test it would hold one rank while its peers wait in a collective."""
-    from kernels import mla_decode_cpu
+    from kernels import cpu_extension
 
-    if not mla_decode_cpu.available():
+    if cpu_extension.module() is None:
         pytest.exit("the CPU kernels (kernels/csrc) did not build: see the warning above", returncode=1)

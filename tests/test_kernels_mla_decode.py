@@ -42,7 +42,7 @@ def path(request, monkeypatch) -> str:
     elif request.param == "reference":
         monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")
     else:
-        assert cpu.available(), "the C++ kernel must build here (g++ and ninja are installed)"
+        assert kernels.prepare_cpu_kernels(), "the C++ kernels must build here (g++ and ninja are installed)"
     return request.param
 
 

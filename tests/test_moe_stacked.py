@@ -1,4 +1,5 @@
-"""Stacked experts (one batched GEMM per projection for small batches) against one GEMM per expert."""
+"""Stacked experts against one GEMM per expert: through the CPU grouped-linear kernel (groups of few rows)
+and through zero-padded batched GEMMs (the path without the kernel, e.g. MOELAUNCH_CPU_KERNELS=0)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,17 @@ def _random_moe(seed: int) -> MoE:
     return moe.eval().requires_grad_(False)
 
 
+@pytest.fixture(params=["kernel", "no-kernel"])
+def cpu_kernels(request, monkeypatch) -> bool:
+    if request.param == "no-kernel":
+        monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")
+    else:
+        monkeypatch.delenv("MOELAUNCH_CPU_KERNELS", raising=False)
+    return request.param == "kernel"
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 64, 4 * STACKED_MAX_ROWS])
-def test_stacked_experts_match_expert_by_expert(tokens):
+def test_stacked_experts_match_expert_by_expert(tokens, cpu_kernels):
     moe = _random_moe(seed=tokens)
     x = torch.randn(tokens, moe.gate.weight.shape[1])
     expected = moe(x)
@@ -35,17 +45,21 @@ def test_stacked_experts_match_expert_by_expert(tokens):
     torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_stacked_path_is_taken_for_decode_sized_groups(monkeypatch):
+def test_paths_taken_by_group_size(monkeypatch, cpu_kernels):
     moe = _random_moe(seed=0)
     moe.stack_experts()
     calls = []
-    original = moe.run_stacked
-    monkeypatch.setattr(moe, "run_stacked", lambda *a: calls.append(1) or original(*a))
-    moe(torch.randn(16, moe.gate.weight.shape[1]))  # 32 rows over 8 experts: stacked
-    assert calls
-    calls.clear()
-    moe(torch.randn(1, moe.gate.weight.shape[1]))  # 2 of 8 experts busy: expert by expert
-    assert not calls
+    for name in ("run_grouped_kernel", "run_stacked"):
+        original = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    dim = moe.gate.weight.shape[1]
+    moe(torch.randn(16, dim))  # 32 rows over 8 experts
+    moe(torch.randn(1, dim))  # 2 of 8 experts busy
+    moe(torch.randn(80, dim))  # 160 rows over 8 experts: some group has more rows than the kernel takes
+    if cpu_kernels:
+        assert calls == ["run_grouped_kernel", "run_grouped_kernel", "run_stacked"]
+    else:  # the padded batch only when most experts are busy; expert by expert otherwise
+        assert calls == ["run_stacked", "run_stacked"]
 
 
 def test_fp8_experts_are_left_unstacked():

@@ -1,9 +1,14 @@
 // Paged MLA decode attention in the absorbed (latent) form, for the CPU.
 //
 // Same contract and numerics as kernels/mla_decode_reference.py, without its padded gather: every
-// (row, group of heads) walks its own block table and reads each cached token once, straight from the
-// pool, with an online softmax (running max and sum per head, fp32). Slots past a row's length are
-// never read, so they may hold anything.
+// (row, group of heads) walks its own block table and reads each cached token straight from the pool,
+// one block at a time, with an online softmax (running max and sum per head, fp32). Slots past a row's
+// length are never read, so they may hold anything.
+//
+// Within a block both products are register-tiled so that each load feeds several FMAs: scores take
+// 4 heads x 2 tokens per pass over the 576-wide rows, and the weighted sum takes 4 heads x 16 latent
+// columns per pass over the block's tokens. A head-by-head loop instead re-reads every token once per
+// head and stores its accumulator after every FMA, which left the FMA units mostly idle.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -13,43 +18,75 @@
 #include <limits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-// Heads that share one pass over a row's tokens: each token is loaded once for all of them.
+using moelaunch::exp8;
+using moelaunch::hsum;
+using moelaunch::kLanes;
+using moelaunch::load8;
+using moelaunch::store8;
+using moelaunch::to_float;
+using moelaunch::vec8;
+
+// Heads that share one pass over a row's tokens: each block is loaded once for all of them.
 constexpr int64_t kHeadsPerTask = 16;
+// Heads per register tile; a task's heads are padded to a multiple of it with zero queries.
+constexpr int64_t kHeadTile = 4;
 
-template <typename cache_t>
-inline float dot(const float* q, const cache_t* k, int64_t n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += q[i] * static_cast<float>(k[i]);
-  return sum;
-}
-
-// Four tokens against one query: four independent sums keep the FMA units busy (one sum is a chain of
-// dependent adds) and the query is loaded once for all four.
-template <typename cache_t>
-inline void dot4(const float* q, const cache_t* k, int64_t stride, int64_t n, float* out) {
-  const cache_t *k0 = k, *k1 = k + stride, *k2 = k + 2 * stride, *k3 = k + 3 * stride;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-  for (int64_t i = 0; i < n; ++i) {
-    const float qi = q[i];
-    s0 += qi * static_cast<float>(k0[i]);
-    s1 += qi * static_cast<float>(k1[i]);
-    s2 += qi * static_cast<float>(k2[i]);
-    s3 += qi * static_cast<float>(k3[i]);
+// scores[h * stride + t] = q[h] . tokens[t] for kHeadTile heads and TT tokens of `width` values.
+template <int TT, typename cache_t>
+inline void score_tile(const float* q, const cache_t* tokens, int64_t width, float* scores, int64_t stride) {
+  vec8 acc[kHeadTile][TT] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= width; i += kLanes) {
+    vec8 k[TT];
+    for (int t = 0; t < TT; ++t) k[t] = load8(tokens + t * width + i);
+    for (int h = 0; h < kHeadTile; ++h) {
+      const vec8 qh = load8(q + h * width + i);
+      for (int t = 0; t < TT; ++t) acc[h][t] += qh * k[t];
+    }
   }
-  out[0] += s0;
-  out[1] += s1;
-  out[2] += s2;
-  out[3] += s3;
+  for (int h = 0; h < kHeadTile; ++h) {
+    for (int t = 0; t < TT; ++t) {
+      float s = hsum(acc[h][t]);
+      for (int64_t j = i; j < width; ++j) s += q[h * width + j] * to_float(tokens[t * width + j]);
+      scores[h * stride + t] = s;
+    }
+  }
 }
 
+// acc[h][0:c_dim] += sum_t probs[h * stride + t] * tokens[t][0:c_dim] for kHeadTile heads.
 template <typename cache_t>
-inline void axpy(float* acc, float p, const cache_t* k, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * static_cast<float>(k[i]);
+inline void weighted_sum_tile(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
+                              int64_t c_dim, float* acc) {
+  int64_t c = 0;
+  for (; c + 2 * kLanes <= c_dim; c += 2 * kLanes) {
+    vec8 a[kHeadTile][2];
+    for (int h = 0; h < kHeadTile; ++h) {
+      a[h][0] = load8(acc + h * c_dim + c);
+      a[h][1] = load8(acc + h * c_dim + c + kLanes);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const vec8 k0 = load8(tokens + t * width + c), k1 = load8(tokens + t * width + c + kLanes);
+      for (int h = 0; h < kHeadTile; ++h) {
+        const float p = probs[h * stride + t];
+        a[h][0] += p * k0;
+        a[h][1] += p * k1;
+      }
+    }
+    for (int h = 0; h < kHeadTile; ++h) {
+      store8(acc + h * c_dim + c, a[h][0]);
+      store8(acc + h * c_dim + c + kLanes, a[h][1]);
+    }
+  }
+  for (; c < c_dim; ++c) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float k = to_float(tokens[t * width + c]);
+      for (int h = 0; h < kHeadTile; ++h) acc[h * c_dim + c] += probs[h * stride + t] * k;
+    }
+  }
 }
 
 template <typename cache_t, typename index_t>
@@ -59,61 +96,71 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
   const int64_t width = c_dim + p_dim;
   const int64_t head_groups = (heads + kHeadsPerTask - 1) / kHeadsPerTask;
   at::parallel_for(0, rows * head_groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(kHeadsPerTask * block_size);
-    std::vector<float> running_max(kHeadsPerTask), running_sum(kHeadsPerTask);
+    constexpr int64_t padded = kHeadsPerTask;  // a multiple of kHeadTile
+    std::vector<float> q(padded * width), acc(padded * c_dim), probs(padded * block_size);
+    std::vector<float> running_max(padded), running_sum(padded);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / head_groups;
       const int64_t h0 = (task % head_groups) * kHeadsPerTask;
       const int64_t nh = std::min(kHeadsPerTask, heads - h0);
+      const int64_t nh_tiles = (nh + kHeadTile - 1) / kHeadTile;
       const int64_t len = seq_lens[r];
-      float* acc = out + (r * heads + h0) * c_dim;  // the output rows double as accumulators
-      std::fill(acc, acc + nh * c_dim, 0.f);
+      // Each head's query as one [latent | rope] row, so a score is one dot with a cached [c | k_pe] row.
+      std::fill(q.begin(), q.end(), 0.f);
+      for (int64_t h = 0; h < nh; ++h) {
+        std::copy_n(q_latent + (r * heads + h0 + h) * c_dim, c_dim, q.data() + h * width);
+        std::copy_n(q_pe + (r * heads + h0 + h) * p_dim, p_dim, q.data() + h * width + c_dim);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.f);
       for (int64_t start = 0; start < len; start += block_size) {
         const int64_t n = std::min(block_size, len - start);
         const cache_t* block = cache + static_cast<int64_t>(block_table[r * max_blocks + start / block_size]) *
                                            block_size * width;
-        for (int64_t h = 0; h < nh; ++h) {
-          const float* ql = q_latent + (r * heads + h0 + h) * c_dim;
-          const float* qp = q_pe + (r * heads + h0 + h) * p_dim;
-          float* s = scores.data() + h * block_size;
+        for (int64_t ht = 0; ht < nh_tiles; ++ht) {
+          const float* q_tile = q.data() + ht * kHeadTile * width;
+          float* s_tile = probs.data() + ht * kHeadTile * block_size;
           int64_t t = 0;
-          for (; t + 4 <= n; t += 4) {
-            std::fill(s + t, s + t + 4, 0.f);
-            dot4(ql, block + t * width, width, c_dim, s + t);
-            dot4(qp, block + t * width + c_dim, width, p_dim, s + t);
-          }
-          for (; t < n; ++t) {
-            const cache_t* token = block + t * width;
-            s[t] = dot(ql, token, c_dim) + dot(qp, token + c_dim, p_dim);
-          }
+          for (; t + 2 <= n; t += 2) score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size);
+          if (t < n) score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size);
+        }
+        for (int64_t h = 0; h < nh_tiles * kHeadTile; ++h) {
+          float* s = probs.data() + h * block_size;
           float block_max = running_max[h];
-          for (t = 0; t < n; ++t) {
+          for (int64_t t = 0; t < n; ++t) {
             s[t] *= scale;
             block_max = std::max(block_max, s[t]);
           }
-          // Rescale what was accumulated under the old max, then add this block's tokens.
+          // Rescale what was accumulated under the old max; this block's tokens then add on top.
           const float correction = std::exp(running_max[h] - block_max);
-          float* acc_h = acc + h * c_dim;
           if (correction != 1.f) {
             running_sum[h] *= correction;
-#pragma omp simd
+            float* acc_h = acc.data() + h * c_dim;
             for (int64_t c = 0; c < c_dim; ++c) acc_h[c] *= correction;
           }
-          for (int64_t t = 0; t < n; ++t) {
-            const float p = std::exp(s[t] - block_max);
-            running_sum[h] += p;
-            axpy(acc_h, p, block + t * width, c_dim);
+          int64_t t = 0;
+          for (; t + kLanes <= n; t += kLanes) {
+            const vec8 p = exp8(load8(s + t) - block_max);
+            store8(s + t, p);
+            running_sum[h] += hsum(p);
+          }
+          for (; t < n; ++t) {
+            s[t] = std::exp(s[t] - block_max);
+            running_sum[h] += s[t];
           }
           running_max[h] = block_max;
+        }
+        for (int64_t ht = 0; ht < nh_tiles; ++ht) {
+          weighted_sum_tile(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width, c_dim,
+                            acc.data() + ht * kHeadTile * c_dim);
         }
       }
       for (int64_t h = 0; h < nh; ++h) {
         const float inv = 1.f / running_sum[h];
-        float* acc_h = acc + h * c_dim;
-#pragma omp simd
-        for (int64_t c = 0; c < c_dim; ++c) acc_h[c] *= inv;
+        const float* acc_h = acc.data() + h * c_dim;
+        float* out_h = out + (r * heads + h0 + h) * c_dim;
+        for (int64_t c = 0; c < c_dim; ++c) out_h[c] = acc_h[c] * inv;
       }
     }
   });
@@ -157,8 +204,4 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
     TORCH_CHECK(false, "cache dtype must be fp32 or bf16, got ", cache.scalar_type());
   }
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU");
 }

@@ -1,0 +1,69 @@
+"""The C++ CPU kernels (csrc/), compiled into one extension module on first use.
+
+Built with torch's extension builder for this machine's CPU (-march=native; about two minutes the first
+time, then cached under TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions). When there is no
+compiler, or MOELAUNCH_CPU_KERNELS=0, `module()` is None and the dispatcher keeps the torch paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp"]
+
+
+def _build_tag() -> str:
+    # -march=native code must not be reused on a machine with other instructions, nor a build of older
+    # sources: the module's name carries the CPU's feature flags and the sources' digest.
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        flags = next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    digest = hashlib.sha1(flags.encode())
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+@cache
+def _build() -> ModuleType | None:
+    from torch.utils.cpp_extension import load
+
+    try:
+        return load(
+            name=f"moelaunch_cpu_kernels_{_build_tag()}",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the torch paths
+        warnings.warn(
+            f"the CPU kernels could not be built ({type(e).__name__}: {e}); decoding uses the slower "
+            "torch paths. Install a C++ compiler (g++) and ninja to get them.",
+            stacklevel=3,
+        )
+        return None
+
+
+def module() -> ModuleType | None:
+    """The built kernels, or None when they are switched off or cannot be built."""
+    if os.environ.get("MOELAUNCH_CPU_KERNELS") == "0":
+        return None
+    return _build()
+
+
+def require() -> ModuleType:
+    ext = module()
+    if ext is None:
+        raise RuntimeError(
+            "the CPU kernels are not available (MOELAUNCH_CPU_KERNELS=0, or the build failed): "
+            "check kernels.prepare_cpu_kernels() before calling them"
+        )
+    return ext

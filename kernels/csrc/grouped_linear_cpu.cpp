@@ -1,0 +1,121 @@
+// Grouped linear for few rows on the CPU: out[rows of group g] = x[rows of group g] @ weight[g]^T.
+//
+// Decode steps multiply a handful of rows by weights that are far larger than the cache, so the time is
+// the weight stream from memory. A BLAS GEMM first packs the weight into its own layout (an extra read
+// and write of every weight) and is tuned for many rows; here each weight is read once, in the layout
+// it is stored in ([N, K], rows contiguous), by tiles of 4 weight rows x 2 input rows, each weight load
+// feeding 2 FMAs and each input load 4. Groups with no rows never touch their weights (idle experts).
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "simd.h"
+
+namespace {
+
+using moelaunch::hsum;
+using moelaunch::kLanes;
+using moelaunch::load8;
+using moelaunch::to_float;
+using moelaunch::vec8;
+
+constexpr int64_t kWeightTile = 3;
+constexpr int64_t kRowTile = 4;
+// Weight rows per parallel task: large enough to amortize the task, small enough to split a matrix.
+constexpr int64_t kTaskWeightRows = 60;  // a multiple of kWeightTile
+
+// out[m * ldo + j] = x[m] . w[j] over k values, for MR input rows and NR weight rows.
+template <int MR, int NR, typename weight_t>
+inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, float* out, int64_t ldo) {
+  vec8 acc[MR][NR] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    vec8 wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * k + i);
+    for (int m = 0; m < MR; ++m) {
+      const vec8 xv = load8(x + m * ldx + i);
+      for (int j = 0; j < NR; ++j) acc[m][j] += xv * wv[j];
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < NR; ++j) {
+      float s = hsum(acc[m][j]);
+      for (int64_t t = i; t < k; ++t) s += x[m * ldx + t] * to_float(w[j * k + t]);
+      out[m * ldo + j] = s;
+    }
+  }
+}
+
+// One group's rows [m0, m1) against weight rows [n0, n1).
+template <int NR, typename weight_t>
+inline void rows_by_weight_tile(const float* x, const weight_t* w, float* out, int64_t m0, int64_t m1, int64_t k,
+                                int64_t n_total, int64_t n) {
+  int64_t m = m0;
+  for (; m + kRowTile <= m1; m += kRowTile) {
+    dot_tile<kRowTile, NR>(x + m * k, k, w, k, out + m * n_total + n, n_total);
+  }
+  const float* xm = x + m * k;
+  float* om = out + m * n_total + n;
+  switch (m1 - m) {
+    case 3:
+      dot_tile<3, NR>(xm, k, w, k, om, n_total);
+      break;
+    case 2:
+      dot_tile<2, NR>(xm, k, w, k, om, n_total);
+      break;
+    case 1:
+      dot_tile<1, NR>(xm, k, w, k, om, n_total);
+      break;
+    default:
+      break;
+  }
+}
+
+template <typename weight_t>
+void grouped_linear(const float* x, const weight_t* weight, const int64_t* offsets, float* out, int64_t groups,
+                    int64_t n_total, int64_t k) {
+  const int64_t tasks_per_group = (n_total + kTaskWeightRows - 1) / kTaskWeightRows;
+  at::parallel_for(0, groups * tasks_per_group, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / tasks_per_group;
+      const int64_t m0 = offsets[g], m1 = offsets[g + 1];
+      if (m0 == m1) continue;
+      const int64_t n_begin = (task % tasks_per_group) * kTaskWeightRows;
+      const int64_t n_end = std::min(n_total, n_begin + kTaskWeightRows);
+      const weight_t* w = weight + g * n_total * k;
+      int64_t n = n_begin;
+      for (; n + kWeightTile <= n_end; n += kWeightTile) {
+        rows_by_weight_tile<kWeightTile>(x, w + n * k, out, m0, m1, k, n_total, n);
+      }
+      for (; n < n_end; ++n) rows_by_weight_tile<1>(x, w + n * k, out, m0, m1, k, n_total, n);
+    }
+  });
+}
+
+}  // namespace
+
+// x [T, K] fp32 with rows grouped; weight [G, N, K] fp32 or bf16; offsets [G + 1] int64, non-decreasing,
+// offsets[0] = 0 and offsets[G] = T. Returns [T, N] fp32.
+torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be fp32");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && offsets.dim() == 1, "x [T, K], weight [G, N, K], offsets [G+1]");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && offsets.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.size(0) == weight.size(0) + 1,
+              "offsets must be int64 with one more entry than groups");
+  TORCH_CHECK(weight.size(2) == x.size(1), "x and weight disagree on K");
+  const int64_t groups = weight.size(0), n = weight.size(1), k = weight.size(2);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[groups] == x.size(0), "offsets must start at 0 and end at x's row count");
+  auto out = torch::empty({x.size(0), n}, x.options());
+  if (weight.scalar_type() == torch::kFloat32) {
+    grouped_linear(x.data_ptr<float>(), weight.data_ptr<float>(), off, out.data_ptr<float>(), groups, n, k);
+  } else if (weight.scalar_type() == torch::kBFloat16) {
+    grouped_linear(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(weight.data_ptr()), off,
+                   out.data_ptr<float>(), groups, n, k);
+  } else {
+    TORCH_CHECK(false, "weight dtype must be fp32 or bf16, got ", weight.scalar_type());
+  }
+  return out;
+}

@@ -1,0 +1,64 @@
+// Eight-lane fp32 vectors through GCC/Clang vector extensions: the compiler maps them to one AVX register
+// under -march=native on AVX machines and to pairs of SSE registers elsewhere, so the kernels need no
+// per-ISA intrinsics. Loads are unaligned-safe (memcpy); bf16 is widened by a 16-bit shift.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace moelaunch {
+
+constexpr int64_t kLanes = 8;
+using vec8 = float __attribute__((vector_size(32)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
+
+inline vec8 load8(const float* p) {
+  vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vec8 load8(const c10::BFloat16* p) {
+  u16x8 half;
+  std::memcpy(&half, p, sizeof half);
+  const u32x8 wide = __builtin_convertvector(half, u32x8) << 16;
+  vec8 v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(vec8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// e^x for x <= 0 (softmax weights after subtracting the max), relative error ~2e-7: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its Taylor series to degree 7, 2^n built in the exponent bits. Below -87 the
+// result is clamped to ~1e-38 instead of flushing to zero, which no softmax sum can notice.
+inline vec8 exp8(vec8 x) {
+  constexpr float kLog2e = 1.44269504f, kLn2 = 0.69314718f;
+  x = x < -87.f ? -87.f : x;
+  const vec8 t = x * kLog2e + 0.5f;
+  vec8 n = __builtin_convertvector(__builtin_convertvector(t, i32x8), vec8);  // toward zero
+  n = n > t ? n - 1.f : n;                                                     // floor: round to nearest
+  const vec8 r = x - n * kLn2;
+  vec8 p = r * (1.f / 5040.f) + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const u32x8 bits = __builtin_convertvector(__builtin_convertvector(n, i32x8) + 127, u32x8) << 23;
+  vec8 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+}  // namespace moelaunch

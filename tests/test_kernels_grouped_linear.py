@@ -1,0 +1,69 @@
+"""The CPU grouped-linear kernel against F.linear per group, and the dispatcher's choice of path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from kernels import grouped_linear_cpu
+from kernels.dispatch import GROUPED_LINEAR_MAX_ROWS
+
+
+def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    parts = x.double().split(counts)
+    return torch.cat([F.linear(p, w.double()) for p, w in zip(parts, weight, strict=True)])
+
+
+@pytest.mark.parametrize(
+    ("counts", "n", "k"),
+    [
+        ([1], 7, 5),  # every tail: rows, weight rows and K below one tile
+        ([0, 3, 0, 5, 2], 11, 19),  # empty groups, row and weight-row remainders, K not a multiple of 8
+        ([16, 9], 64, 256),  # whole tiles
+        ([4, 4, 4, 4, 4, 4, 4, 4], 130, 72),  # weight rows split over several tasks
+    ],
+)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_matches_linear_per_group(counts, n, k, weight_dtype):
+    g = torch.Generator().manual_seed(sum(counts) + n + k)
+    x = torch.randn(sum(counts), k, generator=g)
+    weight = torch.randn(len(counts), n, k, generator=g).to(weight_dtype)
+    offsets = torch.tensor([0, *counts]).cumsum(0)
+    out = grouped_linear_cpu.grouped_linear_cpu(x, weight, offsets)
+    assert out.shape == (sum(counts), n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _expected(x, weight, counts), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_offsets_are_refused():
+    x, weight = torch.randn(4, 8), torch.randn(2, 3, 8)
+    with pytest.raises(RuntimeError, match="offsets must start at 0 and end at x's row count"):
+        grouped_linear_cpu.grouped_linear_cpu(x, weight, torch.tensor([0, 1, 3]))
+    with pytest.raises(RuntimeError, match="one more entry than groups"):
+        grouped_linear_cpu.grouped_linear_cpu(x, weight, torch.tensor([0, 4]))
+
+
+def _linear_calls(monkeypatch, x: torch.Tensor, weight: torch.Tensor) -> list[str]:
+    calls: list[str] = []
+    kernel = grouped_linear_cpu.grouped_linear_cpu
+    counted_kernel = lambda *a: calls.append("kernel") or kernel(*a)  # noqa: E731
+    monkeypatch.setattr(grouped_linear_cpu, "grouped_linear_cpu", counted_kernel)
+    monkeypatch.setattr(F, "linear", lambda *a, _f=F.linear: calls.append("blas") or _f(*a))
+    out = kernels.linear(x, weight)
+    torch.testing.assert_close(out, x @ weight.detach().T, rtol=1e-5, atol=1e-5)
+    return calls
+
+
+def test_linear_dispatch(monkeypatch):
+    weight = torch.randn(24, 16)
+    monkeypatch.delenv("MOELAUNCH_CPU_KERNELS", raising=False)
+    assert _linear_calls(monkeypatch, torch.randn(2, 3, 16), weight) == ["kernel"]  # 6 rows: decode-sized
+    assert _linear_calls(monkeypatch, torch.randn(0, 16), weight) == ["kernel"]  # an idle DP replica's step
+    assert _linear_calls(monkeypatch, torch.randn(GROUPED_LINEAR_MAX_ROWS + 1, 16), weight) == ["blas"]
+    trained = weight.clone().requires_grad_()
+    assert _linear_calls(monkeypatch, torch.randn(2, 16), trained) == ["blas"]  # autograd needs F.linear
+    with torch.no_grad():
+        assert _linear_calls(monkeypatch, torch.randn(2, 16), trained) == ["kernel"]
+    monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")
+    assert _linear_calls(monkeypatch, torch.randn(2, 16), weight) == ["blas"]
