@@ -105,21 +105,24 @@ def paged_mla_decode(
     return fn(q_latent, q_pe, cache, block_table, seq_lens, scale)
 
 
-# Rows per group up to which the CPU kernel beats BLAS (measured with cold weights on an AVX2 core: it
-# streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
-GROUPED_LINEAR_MAX_ROWS = 16
+# Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
+# it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
+LINEAR_KERNEL_MAX_ROWS = 16
 
 
-def uses_grouped_linear_kernel(x: Tensor, max_rows: int, weight: Tensor) -> bool:
+def uses_grouped_linear_kernel(
+    x: Tensor, max_rows: int, weight: Tensor, row_limit: int = LINEAR_KERNEL_MAX_ROWS
+) -> bool:
     """Whether `linear`/`grouped_linear` take the CPU kernel for groups of at most `max_rows` rows.
 
-    Never under autograd (the kernel has no backward): training keeps F.linear.
+    Callers with a different trade-off pass their own `row_limit` (grouped experts: the alternative
+    pads every group to the largest). Never under autograd (the kernel has no backward).
     """
     return (
         not x.is_cuda
         and x.dtype == torch.float32
         and weight.dtype in (torch.float32, torch.bfloat16)
-        and max_rows <= GROUPED_LINEAR_MAX_ROWS
+        and max_rows <= row_limit
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and prepare_cpu_kernels()
     )

@@ -12,8 +12,9 @@ from .config import ModelArgs
 from .gate import Gate
 from .mlp import MLP
 
-# Rows per expert up to which one zero-padded batched GEMM over the stacked experts beats a GEMM per
-# expert: decode-sized groups, where per-call overhead outweighs the padding's wasted arithmetic.
+# Rows per expert up to which the stacked experts run together (the CPU grouped-linear kernel, or one
+# zero-padded batched GEMM) instead of a GEMM per expert: decode-sized groups, where per-call overhead
+# outweighs the padding's wasted arithmetic.
 STACKED_MAX_ROWS = 64
 
 
@@ -82,11 +83,12 @@ class MoE(nn.Module):
         """
         local_counts = [counts[j] for j in self.local_ids]
         stacked = self.gate_up is not None
-        if stacked and kernels.uses_grouped_linear_kernel(x_sorted, max(local_counts), self.gate_up):
+        largest = max(local_counts)
+        if stacked and kernels.uses_grouped_linear_kernel(x_sorted, largest, self.gate_up, STACKED_MAX_ROWS):
             return self.run_grouped_kernel(x_sorted, local_counts)
         busy = sum(n > 0 for n in local_counts)
         # Stacked only when most experts have rows: the batched GEMM reads every expert's weights.
-        if stacked and 2 * busy >= len(local_counts) and max(local_counts) <= STACKED_MAX_ROWS:
+        if stacked and 2 * busy >= len(local_counts) and largest <= STACKED_MAX_ROWS:
             return self.run_stacked(x_sorted, local_counts)
         out = torch.empty_like(x_sorted)
         start = 0

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import kernels
 from kernels import grouped_linear_cpu
-from kernels.dispatch import GROUPED_LINEAR_MAX_ROWS
+from kernels.dispatch import LINEAR_KERNEL_MAX_ROWS
 
 
 def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -60,7 +60,7 @@ def test_linear_dispatch(monkeypatch):
     monkeypatch.delenv("MOELAUNCH_CPU_KERNELS", raising=False)
     assert _linear_calls(monkeypatch, torch.randn(2, 3, 16), weight) == ["kernel"]  # 6 rows: decode-sized
     assert _linear_calls(monkeypatch, torch.randn(0, 16), weight) == ["kernel"]  # an idle DP replica's step
-    assert _linear_calls(monkeypatch, torch.randn(GROUPED_LINEAR_MAX_ROWS + 1, 16), weight) == ["blas"]
+    assert _linear_calls(monkeypatch, torch.randn(LINEAR_KERNEL_MAX_ROWS + 1, 16), weight) == ["blas"]
     trained = weight.clone().requires_grad_()
     assert _linear_calls(monkeypatch, torch.randn(2, 16), trained) == ["blas"]  # autograd needs F.linear
     with torch.no_grad():

@@ -36,11 +36,14 @@ constexpr int64_t kHeadsPerTask = 16;
 constexpr int64_t kHeadTile = 4;
 
 // scores[h * stride + t] = q[h] . tokens[t] for kHeadTile heads and TT tokens of `width` values.
+// `prefetch` (may be null) names as many tokens elsewhere, fetched into the cache a slice per step.
 template <int TT, typename cache_t>
-inline void score_tile(const float* q, const cache_t* tokens, int64_t width, float* scores, int64_t stride) {
+inline void score_tile(const float* q, const cache_t* tokens, int64_t width, float* scores, int64_t stride,
+                       const cache_t* prefetch) {
   vec8 acc[kHeadTile][TT] = {};
   int64_t i = 0;
   for (; i + kLanes <= width; i += kLanes) {
+    if (prefetch != nullptr) __builtin_prefetch(prefetch + TT * i, 0, 3);
     vec8 k[TT];
     for (int t = 0; t < TT; ++t) k[t] = load8(tokens + t * width + i);
     for (int h = 0; h < kHeadTile; ++h) {
@@ -118,12 +121,26 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
         const int64_t n = std::min(block_size, len - start);
         const cache_t* block = cache + static_cast<int64_t>(block_table[r * max_blocks + start / block_size]) *
                                            block_size * width;
+        // The row's next block sits elsewhere in the pool, where the hardware prefetcher cannot guess
+        // it: the first head tile's pass asks for it while this block is computed.
+        const int64_t next = start + block_size;
+        const cache_t* next_block =
+            next < len ? cache + static_cast<int64_t>(block_table[r * max_blocks + next / block_size]) *
+                                     block_size * width
+                       : nullptr;
         for (int64_t ht = 0; ht < nh_tiles; ++ht) {
           const float* q_tile = q.data() + ht * kHeadTile * width;
           float* s_tile = probs.data() + ht * kHeadTile * block_size;
+          const bool fetch = ht == 0 && next_block != nullptr;
           int64_t t = 0;
-          for (; t + 2 <= n; t += 2) score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size);
-          if (t < n) score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size);
+          for (; t + 2 <= n; t += 2) {
+            score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size,
+                          fetch ? next_block + t * width : nullptr);
+          }
+          if (t < n) {
+            score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size,
+                          fetch ? next_block + t * width : nullptr);
+          }
         }
         for (int64_t h = 0; h < nh_tiles * kHeadTile; ++h) {
           float* s = probs.data() + h * block_size;
