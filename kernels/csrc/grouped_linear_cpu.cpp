@@ -26,12 +26,22 @@ constexpr int64_t kRowTile = 4;
 // Weight rows per parallel task: large enough to amortize the task, small enough to split a matrix.
 constexpr int64_t kTaskWeightRows = 60;  // a multiple of kWeightTile
 
-// out[m * ldo + j] = x[m] . w[j] over k values, for MR input rows and NR weight rows.
+// out[m * ldo + j] = x[m] . w[j] over k values, for MR input rows and NR weight rows. `prefetch` (may
+// be null) is where the weight stream continues: it is requested as fast as this tile consumes weights.
+// With short weight rows (up to a page) the hardware prefetcher sees NR interleaved streams that each
+// end soon and falls behind; streaming ahead by hand restores full memory bandwidth. Long rows it
+// follows by itself, and extra prefetches there only take load slots.
 template <int MR, int NR, typename weight_t>
-inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, float* out, int64_t ldo) {
+inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, float* out, int64_t ldo,
+                     const weight_t* prefetch) {
   vec8 acc[MR][NR] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
+    if (prefetch != nullptr) {
+      const char* line = reinterpret_cast<const char*>(prefetch + NR * i);
+      __builtin_prefetch(line);
+      __builtin_prefetch(line + 64);
+    }
     vec8 wv[NR];
     for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * k + i);
     for (int m = 0; m < MR; ++m) {
@@ -48,25 +58,28 @@ inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, 
   }
 }
 
-// One group's rows [m0, m1) against weight rows [n0, n1).
+// One group's rows [m0, m1) against weight rows [n, n + NR); only the first pass over the rows streams
+// the weights in (the others find them in L1), so only it prefetches.
 template <int NR, typename weight_t>
 inline void rows_by_weight_tile(const float* x, const weight_t* w, float* out, int64_t m0, int64_t m1, int64_t k,
                                 int64_t n_total, int64_t n) {
+  constexpr int64_t kPage = 4096;
+  const weight_t* prefetch = k * static_cast<int64_t>(sizeof(weight_t)) <= kPage ? w + NR * k : nullptr;
   int64_t m = m0;
-  for (; m + kRowTile <= m1; m += kRowTile) {
-    dot_tile<kRowTile, NR>(x + m * k, k, w, k, out + m * n_total + n, n_total);
+  for (; m + kRowTile <= m1; m += kRowTile, prefetch = nullptr) {
+    dot_tile<kRowTile, NR>(x + m * k, k, w, k, out + m * n_total + n, n_total, prefetch);
   }
   const float* xm = x + m * k;
   float* om = out + m * n_total + n;
   switch (m1 - m) {
     case 3:
-      dot_tile<3, NR>(xm, k, w, k, om, n_total);
+      dot_tile<3, NR>(xm, k, w, k, om, n_total, prefetch);
       break;
     case 2:
-      dot_tile<2, NR>(xm, k, w, k, om, n_total);
+      dot_tile<2, NR>(xm, k, w, k, om, n_total, prefetch);
       break;
     case 1:
-      dot_tile<1, NR>(xm, k, w, k, om, n_total);
+      dot_tile<1, NR>(xm, k, w, k, om, n_total, prefetch);
       break;
     default:
       break;
