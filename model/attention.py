@@ -21,6 +21,10 @@ from .rope import RotaryEmbedding
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
 
+# Queries per block in causal prompt attention: small enough to skip most masked keys, large enough
+# that each block is still one efficient fused attention (128 measured best on one CPU core).
+PREFILL_QUERY_BLOCK = 128
+
 
 def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
     """[T, S] additive mask for queries at positions S-T..S-1 over keys 0..S-1."""
@@ -144,15 +148,32 @@ class MLA(nn.Module):
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _naive(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
-        """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens, in one
-        fused attention (the mask, additive [T, S], puts the queries at the last T positions)."""
+        """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens, in fused
+        attention (the mask, additive [T, S], puts the queries at the last T positions).
+
+        Causal prompts go by blocks of queries, each over only the keys up to its last position: a
+        fresh prompt then costs about half the arithmetic of one masked T x S attention."""
         k, v = self._keys_values(kv, k_pe)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = None if mask is None else mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=self.scale
-        )
-        return out.transpose(0, 1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=self.scale).transpose(0, 1)
+        n_queries, n_keys = mask.shape
+        mask = mask.to(q.dtype)
+        parts = []
+        for start in range(0, n_queries, PREFILL_QUERY_BLOCK):
+            end = min(n_queries, start + PREFILL_QUERY_BLOCK)
+            visible = n_keys - n_queries + end
+            parts.append(
+                F.scaled_dot_product_attention(
+                    q[:, start:end],
+                    k[:, :visible],
+                    v[:, :visible],
+                    attn_mask=mask[start:end, :visible],
+                    scale=self.scale,
+                )
+            )
+        return torch.cat(parts, dim=1).transpose(0, 1)
 
     def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
         """Attention in the latent space: W_UK folded into the query, W_UV applied after."""

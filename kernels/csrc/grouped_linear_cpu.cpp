@@ -15,7 +15,7 @@
 
 namespace {
 
-using moelaunch::hsum;
+using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
 using moelaunch::to_float;
@@ -49,9 +49,12 @@ inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, 
       for (int j = 0; j < NR; ++j) acc[m][j] += xv * wv[j];
     }
   }
-  for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < NR; ++j) {
-      float s = hsum(acc[m][j]);
+  for (int first = 0; first < MR * NR; first += 8) {
+    const int count = std::min(8, MR * NR - first);
+    const vec8 sums = lane_sums(&acc[0][0] + first, count);
+    for (int c = 0; c < count; ++c) {
+      const int m = (first + c) / NR, j = (first + c) % NR;
+      float s = sums[c];
       for (int64_t t = i; t < k; ++t) s += x[m * ldx + t] * to_float(w[j * k + t]);
       out[m * ldo + j] = s;
     }

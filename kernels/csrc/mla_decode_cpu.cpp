@@ -24,6 +24,7 @@ namespace {
 
 using moelaunch::exp8;
 using moelaunch::hsum;
+using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
 using moelaunch::store8;
@@ -51,9 +52,11 @@ inline void score_tile(const float* q, const cache_t* tokens, int64_t width, flo
       for (int t = 0; t < TT; ++t) acc[h][t] += qh * k[t];
     }
   }
+  static_assert(kHeadTile * TT <= 8, "one lane_sums call per tile");
+  const vec8 sums = lane_sums(&acc[0][0], kHeadTile * TT);
   for (int h = 0; h < kHeadTile; ++h) {
     for (int t = 0; t < TT; ++t) {
-      float s = hsum(acc[h][t]);
+      float s = sums[h * TT + t];
       for (int64_t j = i; j < width; ++j) s += q[h * width + j] * to_float(tokens[t * width + j]);
       scores[h * stride + t] = s;
     }

@@ -35,6 +35,23 @@ inline void store8(float* p, vec8 v) { std::memcpy(p, &v, sizeof v); }
 
 inline float hsum(vec8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+// The lane sums of up to eight vectors at once, [sum(v[0]), ..., sum(v[n-1]), 0...]: three levels of
+// pairwise adds share each shuffle between vectors, about a third of the work of n separate sums.
+inline vec8 lane_sums(const vec8* v, int n) {
+  vec8 in[8];
+  for (int i = 0; i < 8; ++i) in[i] = i < n ? v[i] : vec8{};
+  // pairs(a, b) = [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
+  auto pairs = [](vec8 a, vec8 b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+  };
+  // quarter sums: [v0 low half, v1 low, v2 low, v3 low, v0 high half, v1 high, v2 high, v3 high]
+  const vec8 q0123 = pairs(pairs(in[0], in[1]), pairs(in[2], in[3]));
+  const vec8 q4567 = pairs(pairs(in[4], in[5]), pairs(in[6], in[7]));
+  return __builtin_shufflevector(q0123, q4567, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(q0123, q4567, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 

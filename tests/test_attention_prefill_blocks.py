@@ -1,0 +1,39 @@
+"""Causal prompt attention by query blocks (each over only its visible keys) against one masked
+softmax over every key, for fresh prompts and for chunks that follow a cached prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import V3_BASE
+
+from model.attention import MLA, PREFILL_QUERY_BLOCK, causal_mask
+from model.config import args_from_hf_config
+
+
+@pytest.mark.parametrize(
+    ("n_queries", "n_keys"),
+    [
+        (2, 2),
+        (PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK),
+        (2 * PREFILL_QUERY_BLOCK + 45, 2 * PREFILL_QUERY_BLOCK + 45),  # a partial last block
+        (PREFILL_QUERY_BLOCK + 7, 3 * PREFILL_QUERY_BLOCK),  # a chunk after a cached prefix
+    ],
+)
+def test_blocked_causal_attention_equals_one_masked_softmax(n_queries, n_keys):
+    torch.manual_seed(n_queries + n_keys)
+    args = args_from_hf_config(V3_BASE)
+    mla = MLA(args).requires_grad_(False)
+    torch.nn.init.normal_(mla.kv_b_proj.weight, std=0.3)
+    heads, nope, rope = mla.n_heads, mla.nope_dim, mla.rope_dim
+    q_nope, q_pe = torch.randn(n_queries, heads, nope), torch.randn(n_queries, heads, rope)
+    kv, k_pe = torch.randn(n_keys, mla.kv_rank), torch.randn(n_keys, rope)
+    mask = causal_mask(n_queries, n_keys, torch.device("cpu"))
+
+    out = mla._naive(q_nope, q_pe, kv, k_pe, mask)
+
+    k, v = mla._keys_values(kv, k_pe)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * mla.scale + mask.double()
+    expected = torch.einsum("hts,shv->thv", scores.softmax(dim=-1), v.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
