@@ -53,7 +53,8 @@ class MoE(nn.Module):
         order = flat_ids.argsort(stable=True)
         token_of_slot = order // ids.shape[1]
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-        y = self.run_grouped(x[token_of_slot], counts)
+        # index_select, not x[token_of_slot]: the same gather, several times faster on the CPU.
+        y = self.run_grouped(x.index_select(0, token_of_slot), counts)
         y = y * weights.flatten()[order, None].to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of_slot, y)
 

@@ -92,7 +92,7 @@ class ExpertParallelMoE(MoE):
         sent = torch.bincount(key, minlength=self.ep.size * n_experts).view(self.ep.size, n_experts)
         received = self.ep.exchange_counts(sent)
         sends, recvs = sent.sum(1).tolist(), received.sum(1).tolist()
-        arrived = self.ep.all_to_all(x[token_of_slot], sends, recvs)
+        arrived = self.ep.all_to_all(x.index_select(0, token_of_slot), sends, recvs)
         arrived_ids = (
             torch.arange(n_experts, device=x.device)
             .repeat(self.ep.size)
@@ -108,5 +108,5 @@ class ExpertParallelMoE(MoE):
         order = expert_ids.argsort(stable=True)
         counts = torch.bincount(expert_ids, minlength=self.n_routed_experts).tolist()
         out = torch.empty_like(rows)
-        out[order] = self.run_grouped(rows[order], counts)
+        out[order] = self.run_grouped(rows.index_select(0, order), counts)
         return out
