@@ -8,6 +8,7 @@ decode and few-row linear layers have C++ kernels for the CPU, used when they bu
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from types import ModuleType
@@ -134,10 +135,16 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return linear_cpu.grouped_linear_cpu(x, weight, offsets)
 
 
+@functools.cache
+def _one_group(rows: int) -> Tensor:
+    """Offsets [0, rows] (never written to): made once per row count, not once per layer and step."""
+    return torch.tensor([0, rows])
+
+
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """x @ weight.T for a plain float weight: the CPU kernel for few rows, F.linear otherwise."""
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
         return F.linear(x, weight)
-    out = grouped_linear(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), torch.tensor([0, rows]))
+    out = grouped_linear(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
     return out.view(*x.shape[:-1], weight.shape[0])

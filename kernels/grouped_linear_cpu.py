@@ -18,7 +18,10 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
 
     Computed in fp32 and returned in x's dtype.
     """
+    # Conversions only when needed: at decode sizes even a no-op .to() call is a visible cost.
+    x32 = x if x.dtype == torch.float32 else x.float()
+    offsets = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
     out = cpu_extension.require().grouped_linear_cpu(
-        x.float().contiguous(), weight.contiguous(), offsets.to(torch.int64).contiguous()
+        x32.contiguous(), weight.contiguous(), offsets.contiguous()
     )
-    return out.to(x.dtype)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch import BatchLayout
+from .batch import BatchLayout, DecodeRows
 from .config import ModelArgs
 from .linear import Linear
 from .norm import RMSNorm
@@ -94,13 +94,15 @@ class MLA(nn.Module):
         if cache is None and impl != "absorbed" and _is_rectangle(layout):
             out = self._naive_rectangle(q_nope, q_pe, kv, k_pe, len(layout.spans))
             return self.o_proj(out.flatten(1))
+        decodes = layout.decode_rows if impl != "naive" else None
+        if decodes is not None and decodes.every_row:
+            return self.o_proj(self._decode_batch(q_nope, q_pe, layout, decodes, layer).flatten(1))
         out = x.new_empty(n, self.n_heads, self.v_dim)
-        batched = (
-            [i for i, s in enumerate(layout.spans) if s.length == 1] if cache and impl != "naive" else []
-        )
-        if batched:
-            self._decode_batch(q_nope, q_pe, layout, batched, layer, out)
-        skip = set(batched)
+        if decodes is not None:
+            out[decodes.rows] = self._decode_batch(
+                q_nope[decodes.rows], q_pe[decodes.rows], layout, decodes, layer
+            )
+        skip = set(decodes.spans) if decodes is not None else set()
         for i, span in enumerate(layout.spans):
             if i in skip:
                 continue
@@ -132,15 +134,17 @@ class MLA(nn.Module):
         k_pe = k_pe.unsqueeze(-2).expand(*k_nope.shape[:-1], self.rope_dim)
         return torch.cat([k_nope, k_pe], dim=-1), v
 
-    def _decode_batch(self, q_nope, q_pe, layout: BatchLayout, spans: list[int], layer: int, out) -> None:
-        """All single-token spans at once, in the absorbed form over the paged latent cache."""
-        rows = torch.tensor([layout.spans[i].offset for i in spans], device=q_nope.device)
-        seq_lens = torch.tensor([layout.spans[i].end_pos for i in spans], device=q_nope.device)
+    def _decode_batch(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, layout: BatchLayout, decodes: DecodeRows, layer: int
+    ) -> torch.Tensor:
+        """The decode rows' queries ([R, H, *]) at once, in the absorbed form over the paged latent
+        cache: [R, H, v]."""
         w_uk, w_uv = self._absorbed_weights(q_nope.dtype)
-        q_latent = torch.einsum("rhd,hdc->rhc", q_nope[rows], w_uk)
-        tables = layout.block_tables[torch.tensor(spans, device=q_nope.device)]
-        out_latent = layout.cache.decode(layer, q_latent, q_pe[rows], tables, seq_lens, self.scale)
-        out[rows] = torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv)
+        q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
+        out_latent = layout.cache.decode(
+            layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale
+        )
+        return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, C] and W_UV [H, v, C]."""

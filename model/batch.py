@@ -8,6 +8,7 @@ pass with N = 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -27,6 +28,18 @@ class SeqSpan:
         return self.start_pos + self.length
 
 
+@dataclass(frozen=True)
+class DecodeRows:
+    """The single-token spans (decodes) of a layout, which attend together in one kernel call; the
+    same for every layer of a forward pass, so built once per pass."""
+
+    spans: list[int]  # indices into BatchLayout.spans
+    rows: torch.Tensor  # [R] their token rows
+    seq_lens: torch.Tensor  # [R] cached tokens each attends over, its own included
+    block_tables: torch.Tensor  # [R, max_blocks]
+    every_row: bool  # the pass is decodes only, rows == 0..N-1 (no gather or scatter needed)
+
+
 @dataclass
 class BatchLayout:
     spans: list[SeqSpan]
@@ -38,6 +51,19 @@ class BatchLayout:
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+    @cached_property
+    def decode_rows(self) -> DecodeRows | None:
+        """The decodes, when there is a cache and at least one; None otherwise."""
+        spans = [i for i, s in enumerate(self.spans) if s.length == 1]
+        if self.cache is None or self.block_tables is None or not spans:
+            return None
+        device = self.positions.device
+        every_row = len(spans) == len(self.spans) and all(self.spans[i].offset == i for i in spans)
+        rows = torch.tensor([self.spans[i].offset for i in spans], device=device)
+        seq_lens = torch.tensor([self.spans[i].end_pos for i in spans], device=device)
+        tables = self.block_tables if every_row else self.block_tables[torch.tensor(spans, device=device)]
+        return DecodeRows(spans, rows, seq_lens, tables, every_row)
 
     @classmethod
     def build(

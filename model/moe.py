@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,7 +103,7 @@ class MoE(nn.Module):
 
     def run_grouped_kernel(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
         """run_grouped through the CPU grouped-linear kernel: no padding, idle experts' weights unread."""
-        offsets = torch.tensor([0, *local_counts]).cumsum(0)
+        offsets = torch.tensor(list(accumulate(local_counts, initial=0)))
         gate, up = kernels.grouped_linear(x_sorted, self.gate_up, offsets).chunk(2, dim=-1)
         return kernels.grouped_linear(F.silu(gate) * up, self.down, offsets)
 

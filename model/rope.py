@@ -66,10 +66,12 @@ class RotaryEmbedding(torch.nn.Module):
         if per_head:
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         dtype = x.dtype
-        x = x.float()
+        x = x if dtype == torch.float32 else x.float()  # no no-op casts: this runs twice per layer
         if self.interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(dtype)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            half = x.shape[-1] // 2
+            x1, x2 = x[..., :half], x[..., half:]
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return out if dtype == torch.float32 else out.to(dtype)

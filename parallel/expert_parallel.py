@@ -80,6 +80,8 @@ class ExpertParallelMoE(MoE):
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.ep.size == 1:  # every expert is here: nothing to dispatch, skip its bookkeeping
+            return super().routed(x, weights, ids)
         k, n_experts = ids.shape[1], self.n_routed_experts
         flat_ids = ids.flatten()
         dest = self.placement.destinations(flat_ids)

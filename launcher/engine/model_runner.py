@@ -19,7 +19,7 @@ from model.kv_cache import PagedLatentCache
 from model.transformer import Transformer
 from parallel.mesh import ParallelMesh
 
-from .sampler import SampledToken, sample_sequence
+from .sampler import SampledToken, sample_batch
 from .scheduler import ScheduledChunk
 
 MAX_DRAFT = 1  # MTP depth 1: one guessed token per step
@@ -88,13 +88,9 @@ class ModelRunner:
             r for c, s in sampling for r in range(s.offset + s.length - len(c.draft) - 1, s.offset + s.length)
         ]
         logits = model.head(hidden[torch.tensor(rows, dtype=torch.long, device=mesh.device)]).cpu()
-        at = 0
-        for c, _ in sampling:
-            n = len(c.draft) + 1
-            results[c.seq.seq_id] = StepResult(
-                sample_sequence(logits[at : at + n], c.seq, list(c.draft), self.eos_id)
-            )
-            at += n
+        tokens = sample_batch(logits, [(c.seq, list(c.draft)) for c, _ in sampling], self.eos_id)
+        for (c, _), sampled in zip(sampling, tokens, strict=True):
+            results[c.seq.seq_id] = StepResult(sampled)
         if self.use_mtp:
             self._draft(chunks, spans, hidden, results)
 
@@ -119,8 +115,9 @@ class ModelRunner:
         logits = self.model.mtp_forward(
             hidden[index], torch.tensor(next_ids, dtype=torch.long, device=device), layout
         )
+        best = logits.argmax(dim=-1).tolist()
         for seq_id, row in drafting:
-            results[seq_id].draft = [int(logits[row].argmax())]
+            results[seq_id].draft = [best[row]]
 
     def _share(self, plan: list[ScheduledChunk], results: dict[int, StepResult]) -> dict[int, StepResult]:
         """Broadcast the last stage's results to the whole replica (every rank must update alike)."""

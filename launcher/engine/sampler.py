@@ -91,3 +91,23 @@ def sample_sequence(
         if token != guess:
             break
     return out
+
+
+def sample_batch(
+    logits: torch.Tensor, requests: list[tuple[Sequence, list[int]]], eos_id: int | None
+) -> list[list[SampledToken]]:
+    """`sample_sequence` for each (sequence, draft) over consecutive blocks of len(draft) + 1 rows.
+
+    Plain greedy sequences (no draft, no min_tokens ban, no logprobs) take their token from one argmax
+    over the whole batch: one call instead of one per sequence, which shows at large decode batches.
+    """
+    argmax = logits.argmax(dim=-1).tolist()
+    out, at = [], 0
+    for seq, draft in requests:
+        p = seq.params
+        if not draft and p.greedy and p.logprobs is None and not _banned_while_short(seq, 0, eos_id):
+            out.append([SampledToken(argmax[at])])
+        else:
+            out.append(sample_sequence(logits[at : at + len(draft) + 1], seq, draft, eos_id))
+        at += len(draft) + 1
+    return out
