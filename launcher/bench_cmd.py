@@ -53,6 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="compute threads for every system (default: all CPUs but one, vLLM's CPU default)",
     )
     p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and lengths")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every case this many times (this engine and vLLM alternating) and report medians",
+    )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
     p.set_defaults(func=run)
 
@@ -63,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
 
         print(f"bench model written to {make_bench_model(args.make_model)}")
         return 0
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: give 1 or more")
     if not args.model:
         raise ValueError("give --model DIR (or --make-model DIR to create a bench checkpoint first)")
     if not (Path(args.model) / "config.json").exists():
@@ -84,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         seed=args.seed,
         threads=args.threads,
+        rounds=args.rounds,
     )
     result = run_suite(opts)
     print(results_table(result["results"]))

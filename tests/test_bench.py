@@ -48,6 +48,7 @@ def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
         "4",
     ]
     argv += ["--batch-sizes", "1,2", "--compare", "--hf-batch-size", "2", "--json", str(tmp_path / "r.json")]
+    argv += ["--rounds", "2"]
     argv += ["--vllm-venv", str(tmp_path / "no-venv")]  # a missing peer is reported, not fatal
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -63,6 +64,11 @@ def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
     assert result["results"]["moelaunch"]["latency-b2"]["output_tokens"] == 2 * 4
     assert set(result["ratios"]["transformers"]["latency-b2"]) == {"output_tok_s", "decode_tok_s", "ttft"}
     assert "not found" in result["systems"]["vllm"]["error"]
+    # Two rounds each, kept in full; the table shows each metric's median (here: the mean of two).
+    for system, runs in result["rounds"].items():
+        assert len(runs) == 2
+        ttfts = [run["latency-b2"]["ttft_ms"] for run in runs]
+        assert result["results"][system]["latency-b2"]["ttft_ms"] == pytest.approx(sum(ttfts) / 2, abs=1e-3)
 
 
 def test_metric_definitions():

@@ -1,5 +1,11 @@
 """One benchmark run: the same cases through this engine and, with --compare, through the peers, one
-system at a time in this process (vLLM in its own), then the results and ratios as one dict."""
+system at a time in this process (vLLM in its own), then the results and ratios as one dict.
+
+With `rounds` > 1 every system runs every case that many times and each metric is the median over
+rounds. This engine and vLLM alternate round by round, so a slow spell on a shared machine hits both
+rather than one; transformers (far behind, and in this process, whose peak RSS it would share) runs
+its rounds after ours has been freed.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +49,7 @@ class BenchOptions:
     seed: int = 0
     threads: int = max(1, (os.cpu_count() or 1) - 1)
     vllm_timeout_s: float = 1800.0
+    rounds: int = 1
 
 
 def build_cases(opts: BenchOptions, vocab_size: int) -> list[Case]:
@@ -80,22 +88,26 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
         "kv_cache_memory": opts.kv_cache_memory,
     }
     systems: dict[str, Any] = {OURS: {"dtype": "float32"}}
-    results: Results = {}
+    rounds: dict[str, list[CaseResults]] = {}
     threads_before = torch.get_num_threads()
     # Every system computes on the same number of threads (vLLM pins its own, see vllm_peer).
     torch.set_num_threads(opts.threads)
     try:
-        results[OURS] = _run_ours(opts, cases, warmup, settings)
-        gc.collect()  # the previous system's model and cache go before the next one loads
+        _log(f"{OURS}: loading {opts.model}")
+        with LLM(opts.model, dtype="float32", **settings) as llm:
+            for r in range(opts.rounds):
+                _log(f"round {r + 1} of {opts.rounds}")
+                rounds.setdefault(OURS, []).append(run_ours_on(llm, cases, warmup))
+                if opts.vllm_venv and "error" not in systems.get("vllm", {}):
+                    systems["vllm"], vllm_results = _run_vllm(opts, cases, warmup, settings)
+                    if vllm_results:
+                        rounds.setdefault("vllm", []).append(vllm_results)
+        gc.collect()  # our model and cache go before transformers loads
         if opts.compare:
-            systems["transformers"], results["transformers"] = _run_transformers(opts, cases, warmup)
-            gc.collect()
-        if opts.vllm_venv:
-            systems["vllm"], vllm_results = _run_vllm(opts, cases, warmup, settings)
-            if vllm_results:
-                results["vllm"] = vllm_results
+            systems["transformers"], rounds["transformers"] = _run_transformers(opts, cases, warmup)
     finally:
         torch.set_num_threads(threads_before)
+    results: Results = {name: median_over_rounds(runs) for name, runs in rounds.items()}
     return {
         "model": str(opts.model),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -103,13 +115,19 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
         "systems": systems,
         "results": results,
         "ratios": ratios(results),
+        **({"rounds": rounds} if opts.rounds > 1 else {}),
     }
 
 
-def _run_ours(opts: BenchOptions, cases: list[Case], warmup: Case, settings: dict[str, Any]) -> CaseResults:
-    _log(f"{OURS}: loading {opts.model}")
-    with LLM(opts.model, dtype="float32", **settings) as llm:
-        return run_ours_on(llm, cases, warmup)
+def median_over_rounds(runs: list[CaseResults]) -> CaseResults:
+    """Each case's metrics as the median over rounds (a metric that is None in any round stays None)."""
+    out: CaseResults = {}
+    for case in runs[0]:
+        out[case] = {}
+        for metric in runs[0][case]:
+            values = [run[case][metric] for run in runs]
+            out[case][metric] = None if None in values else round(statistics.median(values), 3)
+    return out
 
 
 def run_ours_on(llm: LLM, cases: list[Case], warmup: Case) -> CaseResults:
@@ -120,13 +138,16 @@ def run_ours_on(llm: LLM, cases: list[Case], warmup: Case) -> CaseResults:
 
 def _run_transformers(
     opts: BenchOptions, cases: list[Case], warmup: Case
-) -> tuple[dict[str, Any], CaseResults]:
+) -> tuple[dict[str, Any], list[CaseResults]]:
     import transformers
 
     _log("transformers: loading")
     model = hf_peer.load_hf_model(opts.model)
     hf_peer.run_case(model, warmup, opts.hf_batch_size)
-    results = timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
+    results = [
+        timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
+        for _ in range(opts.rounds)
+    ]
     return {"version": transformers.__version__, "dtype": "float32"}, results
 
 
