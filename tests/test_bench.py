@@ -9,6 +9,7 @@ import pytest
 
 from launcher.bench.metrics import CaseRun, RequestTiming, summarize
 from launcher.bench.model import BENCH_CONFIG
+from launcher.bench.suite import BenchOptions, build_cases
 from launcher.cli import main
 
 METRICS = {
@@ -78,3 +79,12 @@ def test_metric_definitions():
     assert m["ttft_ms"] == 1500 and m["ttft_ms_max"] == 2000 and m["tpot_ms"] == 100
     assert m["decode_tok_s"] == 20 and m["output_tok_s"] == 5.5 and m["total_tok_s"] == 8.5
     assert summarize(CaseRun(timings, 4.0, 100.0), batch_size=None)["decode_tok_s"] is None
+
+
+def test_rounds_draw_fresh_prompts():
+    # A repeated prompt would hit this engine's prefix cache in a later round (vLLM restarts each round).
+    opts = BenchOptions(model="unused", batch_sizes=(1, 8))
+    first, second = build_cases(opts, 4096, seed=0), build_cases(opts, 4096, seed=1)
+    assert [c.name for c in first] == [c.name for c in second]
+    prompts = [{tuple(r.prompt_ids) for r in c.requests} for c in (*first, *second)]
+    assert all(not (a & b) for i, a in enumerate(prompts) for b in prompts[i + 1 :])

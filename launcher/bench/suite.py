@@ -52,16 +52,18 @@ class BenchOptions:
     rounds: int = 1
 
 
-def build_cases(opts: BenchOptions, vocab_size: int) -> list[Case]:
+def build_cases(opts: BenchOptions, vocab_size: int, seed: int | None = None) -> list[Case]:
+    """The workload's cases, prompts drawn from `seed` (default opts.seed)."""
+    seed = opts.seed if seed is None else seed
     cases = []
     if opts.workload in ("throughput", "all"):
         cases.append(
             throughput_case(
-                opts.num_requests, opts.input_len, opts.output_len, opts.range_ratio, vocab_size, opts.seed
+                opts.num_requests, opts.input_len, opts.output_len, opts.range_ratio, vocab_size, seed
             )
         )
     if opts.workload in ("latency", "all"):
-        cases += latency_cases(list(opts.batch_sizes), opts.input_len, opts.output_len, vocab_size, opts.seed)
+        cases += latency_cases(list(opts.batch_sizes), opts.input_len, opts.output_len, vocab_size, seed)
     return cases
 
 
@@ -79,12 +81,14 @@ def timed(system: str, cases: list[Case], run: Callable[[Case], CaseRun]) -> Cas
 
 def run_suite(opts: BenchOptions) -> dict[str, Any]:
     config = json.loads((Path(opts.model) / "config.json").read_text())
-    cases = build_cases(opts, config["vocab_size"])
+    # Fresh prompts every round: a repeated prompt would be a prefix-cache hit in an engine that
+    # stays up between rounds, and vLLM starts afresh each round.
+    per_round = [build_cases(opts, config["vocab_size"], opts.seed + r) for r in range(opts.rounds)]
     warmup = warmup_case(config["vocab_size"])
     settings = {
-        "max_model_len": max(c.max_len for c in [warmup, *cases]),
+        "max_model_len": max(c.max_len for c in [warmup, *(c for cs in per_round for c in cs)]),
         "max_num_batched_tokens": opts.max_num_batched_tokens,
-        "max_num_seqs": max(256, *(len(c.requests) for c in cases)),
+        "max_num_seqs": max(256, *(len(c.requests) for c in per_round[0])),
         "kv_cache_memory": opts.kv_cache_memory,
     }
     systems: dict[str, Any] = {OURS: {"dtype": "float32"}}
@@ -95,16 +99,16 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
     try:
         _log(f"{OURS}: loading {opts.model}")
         with LLM(opts.model, dtype="float32", **settings) as llm:
-            for r in range(opts.rounds):
+            for r, round_cases in enumerate(per_round):
                 _log(f"round {r + 1} of {opts.rounds}")
-                rounds.setdefault(OURS, []).append(run_ours_on(llm, cases, warmup))
+                rounds.setdefault(OURS, []).append(run_ours_on(llm, round_cases, warmup))
                 if opts.vllm_venv and "error" not in systems.get("vllm", {}):
-                    systems["vllm"], vllm_results = _run_vllm(opts, cases, warmup, settings)
+                    systems["vllm"], vllm_results = _run_vllm(opts, round_cases, warmup, settings)
                     if vllm_results:
                         rounds.setdefault("vllm", []).append(vllm_results)
         gc.collect()  # our model and cache go before transformers loads
         if opts.compare:
-            systems["transformers"], rounds["transformers"] = _run_transformers(opts, cases, warmup)
+            systems["transformers"], rounds["transformers"] = _run_transformers(opts, per_round, warmup)
     finally:
         torch.set_num_threads(threads_before)
     results: Results = {name: median_over_rounds(runs) for name, runs in rounds.items()}
@@ -137,7 +141,7 @@ def run_ours_on(llm: LLM, cases: list[Case], warmup: Case) -> CaseResults:
 
 
 def _run_transformers(
-    opts: BenchOptions, cases: list[Case], warmup: Case
+    opts: BenchOptions, per_round: list[list[Case]], warmup: Case
 ) -> tuple[dict[str, Any], list[CaseResults]]:
     import transformers
 
@@ -146,7 +150,7 @@ def _run_transformers(
     hf_peer.run_case(model, warmup, opts.hf_batch_size)
     results = [
         timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
-        for _ in range(opts.rounds)
+        for cases in per_round
     ]
     return {"version": transformers.__version__, "dtype": "float32"}, results
 
