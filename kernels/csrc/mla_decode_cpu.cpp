@@ -6,7 +6,7 @@
 // length are never read, so they may hold anything.
 //
 // Within a block both products are register-tiled so that each load feeds several FMAs: scores take
-// 4 heads x 2 tokens per pass over the 576-wide rows, and the weighted sum takes 4 heads x 16 latent
+// 4 heads x 3 tokens per pass over the 576-wide rows, and the weighted sum takes 4 heads x 24 latent
 // columns per pass over the block's tokens. A head-by-head loop instead re-reads every token once per
 // head and stores its accumulator after every FMA, which left the FMA units mostly idle.
 #include <torch/extension.h>
@@ -52,8 +52,12 @@ inline void score_tile(const float* q, const cache_t* tokens, int64_t width, flo
       for (int t = 0; t < TT; ++t) acc[h][t] += qh * k[t];
     }
   }
-  static_assert(kHeadTile * TT <= 8, "one lane_sums call per tile");
-  const vec8 sums = lane_sums(&acc[0][0], kHeadTile * TT);
+  constexpr int kTile = kHeadTile * TT;
+  float sums[kTile];
+  for (int j = 0; j < kTile; j += 8) {
+    const vec8 part = lane_sums(&acc[0][0] + j, std::min(8, kTile - j));
+    for (int l = 0; l < std::min(8, kTile - j); ++l) sums[j + l] = part[l];
+  }
   for (int h = 0; h < kHeadTile; ++h) {
     for (int t = 0; t < TT; ++t) {
       float s = sums[h * TT + t];
@@ -63,30 +67,35 @@ inline void score_tile(const float* q, const cache_t* tokens, int64_t width, flo
   }
 }
 
-// acc[h][0:c_dim] += sum_t probs[h * stride + t] * tokens[t][0:c_dim] for kHeadTile heads.
+// acc[h][c:c + V * 8] += sum_t probs[h * stride + t] * tokens[t][c:c + V * 8] for kHeadTile heads.
+template <int V, typename cache_t>
+inline void weighted_sum_chunk(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
+                               int64_t c_dim, int64_t c, float* acc) {
+  vec8 a[kHeadTile][V];
+  for (int h = 0; h < kHeadTile; ++h) {
+    for (int v = 0; v < V; ++v) a[h][v] = load8(acc + h * c_dim + c + v * kLanes);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    vec8 k[V];
+    for (int v = 0; v < V; ++v) k[v] = load8(tokens + t * width + c + v * kLanes);
+    for (int h = 0; h < kHeadTile; ++h) {
+      const float p = probs[h * stride + t];
+      for (int v = 0; v < V; ++v) a[h][v] += p * k[v];
+    }
+  }
+  for (int h = 0; h < kHeadTile; ++h) {
+    for (int v = 0; v < V; ++v) store8(acc + h * c_dim + c + v * kLanes, a[h][v]);
+  }
+}
+
+// acc[h][0:c_dim] += sum_t probs[h * stride + t] * tokens[t][0:c_dim] for kHeadTile heads: chunks of 24
+// columns (12 accumulators, 7 loads per 12 FMAs), then single vectors, then scalars.
 template <typename cache_t>
 inline void weighted_sum_tile(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
                               int64_t c_dim, float* acc) {
   int64_t c = 0;
-  for (; c + 2 * kLanes <= c_dim; c += 2 * kLanes) {
-    vec8 a[kHeadTile][2];
-    for (int h = 0; h < kHeadTile; ++h) {
-      a[h][0] = load8(acc + h * c_dim + c);
-      a[h][1] = load8(acc + h * c_dim + c + kLanes);
-    }
-    for (int64_t t = 0; t < n; ++t) {
-      const vec8 k0 = load8(tokens + t * width + c), k1 = load8(tokens + t * width + c + kLanes);
-      for (int h = 0; h < kHeadTile; ++h) {
-        const float p = probs[h * stride + t];
-        a[h][0] += p * k0;
-        a[h][1] += p * k1;
-      }
-    }
-    for (int h = 0; h < kHeadTile; ++h) {
-      store8(acc + h * c_dim + c, a[h][0]);
-      store8(acc + h * c_dim + c + kLanes, a[h][1]);
-    }
-  }
+  for (; c + 3 * kLanes <= c_dim; c += 3 * kLanes) weighted_sum_chunk<3>(probs, stride, tokens, n, width, c_dim, c, acc);
+  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<1>(probs, stride, tokens, n, width, c_dim, c, acc);
   for (; c < c_dim; ++c) {
     for (int64_t t = 0; t < n; ++t) {
       const float k = to_float(tokens[t * width + c]);
@@ -136,9 +145,14 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
           float* s_tile = probs.data() + ht * kHeadTile * block_size;
           const bool fetch = ht == 0 && next_block != nullptr;
           int64_t t = 0;
-          for (; t + 2 <= n; t += 2) {
+          for (; t + 3 <= n; t += 3) {
+            score_tile<3>(q_tile, block + t * width, width, s_tile + t, block_size,
+                          fetch ? next_block + t * width : nullptr);
+          }
+          if (t + 2 <= n) {
             score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size,
                           fetch ? next_block + t * width : nullptr);
+            t += 2;
           }
           if (t < n) {
             score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size,
