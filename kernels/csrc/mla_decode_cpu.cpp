@@ -6,9 +6,10 @@
 // length are never read, so they may hold anything.
 //
 // Within a block both products are register-tiled so that each load feeds several FMAs: scores take
-// 4 heads x 3 tokens per pass over the 576-wide rows, and the weighted sum takes 4 heads x 24 latent
-// columns per pass over the block's tokens. A head-by-head loop instead re-reads every token once per
-// head and stores its accumulator after every FMA, which left the FMA units mostly idle.
+// 4 heads x 3 tokens per pass over the 576-wide rows, and the weighted sum takes 8 heads x 8 latent
+// columns per pass over the block's tokens (4 heads x 24 when the heads do not pair up). A head-by-head
+// loop instead re-reads every token once per head and stores its accumulator after every FMA, which
+// left the FMA units mostly idle.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -67,24 +68,39 @@ inline void score_tile(const float* q, const cache_t* tokens, int64_t width, flo
   }
 }
 
-// acc[h][c:c + V * 8] += sum_t probs[h * stride + t] * tokens[t][c:c + V * 8] for kHeadTile heads.
-template <int V, typename cache_t>
+// acc[h][c:c + V * 8] += sum_t probs[h * stride + t] * tokens[t][c:c + V * 8] for HT heads.
+template <int HT, int V, typename cache_t>
 inline void weighted_sum_chunk(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
                                int64_t c_dim, int64_t c, float* acc) {
-  vec8 a[kHeadTile][V];
-  for (int h = 0; h < kHeadTile; ++h) {
+  vec8 a[HT][V];
+  for (int h = 0; h < HT; ++h) {
     for (int v = 0; v < V; ++v) a[h][v] = load8(acc + h * c_dim + c + v * kLanes);
   }
   for (int64_t t = 0; t < n; ++t) {
     vec8 k[V];
     for (int v = 0; v < V; ++v) k[v] = load8(tokens + t * width + c + v * kLanes);
-    for (int h = 0; h < kHeadTile; ++h) {
+    for (int h = 0; h < HT; ++h) {
       const float p = probs[h * stride + t];
       for (int v = 0; v < V; ++v) a[h][v] += p * k[v];
     }
   }
-  for (int h = 0; h < kHeadTile; ++h) {
+  for (int h = 0; h < HT; ++h) {
     for (int v = 0; v < V; ++v) store8(acc + h * c_dim + c + v * kLanes, a[h][v]);
+  }
+}
+
+// Eight heads in one pass over the block (one vector of columns each): half the block reads of two
+// four-head passes.
+template <typename cache_t>
+inline void weighted_sum_8heads(const float* probs, int64_t stride, const cache_t* tokens, int64_t n,
+                                int64_t width, int64_t c_dim, float* acc) {
+  int64_t c = 0;
+  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<8, 1>(probs, stride, tokens, n, width, c_dim, c, acc);
+  for (; c < c_dim; ++c) {
+    for (int64_t t = 0; t < n; ++t) {
+      const float k = to_float(tokens[t * width + c]);
+      for (int h = 0; h < 8; ++h) acc[h * c_dim + c] += probs[h * stride + t] * k;
+    }
   }
 }
 
@@ -94,8 +110,8 @@ template <typename cache_t>
 inline void weighted_sum_tile(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
                               int64_t c_dim, float* acc) {
   int64_t c = 0;
-  for (; c + 3 * kLanes <= c_dim; c += 3 * kLanes) weighted_sum_chunk<3>(probs, stride, tokens, n, width, c_dim, c, acc);
-  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<1>(probs, stride, tokens, n, width, c_dim, c, acc);
+  for (; c + 3 * kLanes <= c_dim; c += 3 * kLanes) weighted_sum_chunk<kHeadTile, 3>(probs, stride, tokens, n, width, c_dim, c, acc);
+  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<kHeadTile, 1>(probs, stride, tokens, n, width, c_dim, c, acc);
   for (; c < c_dim; ++c) {
     for (int64_t t = 0; t < n; ++t) {
       const float k = to_float(tokens[t * width + c]);
@@ -185,7 +201,12 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
           }
           running_max[h] = block_max;
         }
-        for (int64_t ht = 0; ht < nh_tiles; ++ht) {
+        int64_t ht = 0;
+        for (; ht + 2 <= nh_tiles; ht += 2) {
+          weighted_sum_8heads(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width, c_dim,
+                              acc.data() + ht * kHeadTile * c_dim);
+        }
+        for (; ht < nh_tiles; ++ht) {
           weighted_sum_tile(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width, c_dim,
                             acc.data() + ht * kHeadTile * c_dim);
         }
