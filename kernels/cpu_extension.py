@@ -14,6 +14,8 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp"]
 
@@ -67,3 +69,8 @@ def require() -> ModuleType:
             "check kernels.prepare_cpu_kernels() before calling them"
         )
     return ext
+
+
+def cast_if_needed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in `dtype`, without a call when it already is: at decode sizes even a no-op .to() shows."""
+    return t if t.dtype == dtype else t.to(dtype)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from kernels import cpu_extension
+from kernels.cpu_extension import cast_if_needed
 
 
 def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
@@ -18,10 +19,9 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
 
     Computed in fp32 and returned in x's dtype.
     """
-    # Conversions only when needed: at decode sizes even a no-op .to() call is a visible cost.
-    x32 = x if x.dtype == torch.float32 else x.float()
-    offsets = offsets if offsets.dtype == torch.int64 else offsets.to(torch.int64)
     out = cpu_extension.require().grouped_linear_cpu(
-        x32.contiguous(), weight.contiguous(), offsets.contiguous()
+        cast_if_needed(x, torch.float32).contiguous(),
+        weight.contiguous(),
+        cast_if_needed(offsets, torch.int64).contiguous(),
     )
-    return out if x.dtype == torch.float32 else out.to(x.dtype)
+    return cast_if_needed(out, x.dtype)

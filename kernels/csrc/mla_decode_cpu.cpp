@@ -89,33 +89,21 @@ inline void weighted_sum_chunk(const float* probs, int64_t stride, const cache_t
   }
 }
 
-// Eight heads in one pass over the block (one vector of columns each): half the block reads of two
-// four-head passes.
-template <typename cache_t>
-inline void weighted_sum_8heads(const float* probs, int64_t stride, const cache_t* tokens, int64_t n,
-                                int64_t width, int64_t c_dim, float* acc) {
+// acc[h][0:c_dim] += sum_t probs[h * stride + t] * tokens[t][0:c_dim] for HT heads: chunks of V vectors,
+// then single vectors, then scalars. Eight heads take one vector per chunk (one pass over the block
+// instead of two four-head passes); four take three (12 accumulators, 7 loads per 12 FMAs).
+template <int HT, int V, typename cache_t>
+inline void weighted_sum(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
+                         int64_t c_dim, float* acc) {
   int64_t c = 0;
-  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<8, 1>(probs, stride, tokens, n, width, c_dim, c, acc);
-  for (; c < c_dim; ++c) {
-    for (int64_t t = 0; t < n; ++t) {
-      const float k = to_float(tokens[t * width + c]);
-      for (int h = 0; h < 8; ++h) acc[h * c_dim + c] += probs[h * stride + t] * k;
-    }
+  for (; c + V * kLanes <= c_dim; c += V * kLanes) {
+    weighted_sum_chunk<HT, V>(probs, stride, tokens, n, width, c_dim, c, acc);
   }
-}
-
-// acc[h][0:c_dim] += sum_t probs[h * stride + t] * tokens[t][0:c_dim] for kHeadTile heads: chunks of 24
-// columns (12 accumulators, 7 loads per 12 FMAs), then single vectors, then scalars.
-template <typename cache_t>
-inline void weighted_sum_tile(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
-                              int64_t c_dim, float* acc) {
-  int64_t c = 0;
-  for (; c + 3 * kLanes <= c_dim; c += 3 * kLanes) weighted_sum_chunk<kHeadTile, 3>(probs, stride, tokens, n, width, c_dim, c, acc);
-  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<kHeadTile, 1>(probs, stride, tokens, n, width, c_dim, c, acc);
+  for (; c + kLanes <= c_dim; c += kLanes) weighted_sum_chunk<HT, 1>(probs, stride, tokens, n, width, c_dim, c, acc);
   for (; c < c_dim; ++c) {
     for (int64_t t = 0; t < n; ++t) {
       const float k = to_float(tokens[t * width + c]);
-      for (int h = 0; h < kHeadTile; ++h) acc[h * c_dim + c] += probs[h * stride + t] * k;
+      for (int h = 0; h < HT; ++h) acc[h * c_dim + c] += probs[h * stride + t] * k;
     }
   }
 }
@@ -203,12 +191,12 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
         }
         int64_t ht = 0;
         for (; ht + 2 <= nh_tiles; ht += 2) {
-          weighted_sum_8heads(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width, c_dim,
-                              acc.data() + ht * kHeadTile * c_dim);
+          weighted_sum<2 * kHeadTile, 1>(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width,
+                                         c_dim, acc.data() + ht * kHeadTile * c_dim);
         }
         for (; ht < nh_tiles; ++ht) {
-          weighted_sum_tile(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width, c_dim,
-                            acc.data() + ht * kHeadTile * c_dim);
+          weighted_sum<kHeadTile, 3>(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width,
+                                     c_dim, acc.data() + ht * kHeadTile * c_dim);
         }
       }
       for (int64_t h = 0; h < nh; ++h) {
