@@ -108,7 +108,7 @@ def paged_mla_decode(
 
 # Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
 # it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
-LINEAR_KERNEL_MAX_ROWS = 16
+LINEAR_KERNEL_MAX_ROWS = 32
 
 
 def uses_grouped_linear_kernel(

@@ -3,8 +3,8 @@
 // Decode steps multiply a handful of rows by weights that are far larger than the cache, so the time is
 // the weight stream from memory. A BLAS GEMM first packs the weight into its own layout (an extra read
 // and write of every weight) and is tuned for many rows; here each weight is read once, in the layout
-// it is stored in ([N, K], rows contiguous), by tiles of 4 weight rows x 2 input rows, each weight load
-// feeding 2 FMAs and each input load 4. Groups with no rows never touch their weights (idle experts).
+// it is stored in ([N, K], rows contiguous), by tiles of 3 weight rows x 4 input rows, each weight load
+// feeding 4 FMAs and each input load 3. Groups with no rows never touch their weights (idle experts).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -15,6 +15,7 @@
 
 namespace {
 
+using moelaunch::in_register;
 using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
@@ -43,9 +44,9 @@ inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, 
       __builtin_prefetch(line + 64);
     }
     vec8 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = load8(w + j * k + i);
+    for (int j = 0; j < NR; ++j) wv[j] = in_register(load8(w + j * k + i));
     for (int m = 0; m < MR; ++m) {
-      const vec8 xv = load8(x + m * ldx + i);
+      const vec8 xv = in_register(load8(x + m * ldx + i));
       for (int j = 0; j < NR; ++j) acc[m][j] += xv * wv[j];
     }
   }
