@@ -44,9 +44,10 @@ inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, 
       __builtin_prefetch(line + 64);
     }
     vec8 wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = in_register(load8(w + j * k + i));
+    // Pinned only when reused: a lone row streams faster with each weight load folded into its FMA.
+    for (int j = 0; j < NR; ++j) wv[j] = MR > 1 ? in_register(load8(w + j * k + i)) : load8(w + j * k + i);
     for (int m = 0; m < MR; ++m) {
-      const vec8 xv = in_register(load8(x + m * ldx + i));
+      const vec8 xv = NR > 1 ? in_register(load8(x + m * ldx + i)) : load8(x + m * ldx + i);
       for (int j = 0; j < NR; ++j) acc[m][j] += xv * wv[j];
     }
   }
