@@ -1,5 +1,6 @@
 """Block-scaled FP8, paged MLA decode and few-row linear kernels: Triton on CUDA; on the CPU C++ kernels
-for paged MLA decode and few-row linears, torch references for the rest.
+for paged MLA decode, few-row linears and the fused per-token steps (`kernels.fused`), torch references
+for the rest.
 
 The choice is made per call by `kernels.dispatch`.
 """
@@ -20,6 +21,7 @@ from kernels.dispatch import (
     weight_quant,
 )
 from kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
+from kernels.fused import mla_latent, moe_combine, rms_norm, rotate_tail, silu_mul
 
 __all__ = [
     "BLOCK_SIZE",
@@ -29,8 +31,13 @@ __all__ = [
     "fp8_linear",
     "grouped_linear",
     "linear",
+    "mla_latent",
+    "moe_combine",
     "paged_mla_decode",
     "prepare_cpu_kernels",
+    "rms_norm",
+    "rotate_tail",
+    "silu_mul",
     "use_triton",
     "uses_grouped_linear_kernel",
     "weight_dequant",

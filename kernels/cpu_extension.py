@@ -17,7 +17,7 @@ from types import ModuleType
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp"]
+SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp", "fused_cpu.cpp"]
 
 
 def _build_tag() -> str:

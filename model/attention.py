@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels
+
 from .batch import BatchLayout, DecodeRows
 from .config import ModelArgs
 from .linear import Linear
@@ -78,21 +80,27 @@ class MLA(nn.Module):
         """x [N, dim] -> [N, dim]. With a cache, new latents are stored first; single-token spans
         (decodes) then attend together through the paged decode kernel, longer spans one by one."""
         n = x.shape[0]
+        cos, sin = cos_sin
         q = (
             self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             if hasattr(self, "q_b_proj")
             else self.q_proj(x)
         )
-        q_nope, q_pe = q.view(n, self.n_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = rope.apply(q_pe, *cos_sin, per_head=True)
-        kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_rank, self.rope_dim], dim=-1)
-        kv = self.kv_a_layernorm(kv)
-        k_pe = rope.apply(k_pe, *cos_sin)
+        # [T, H, nope | rope] with the rope part rotated: one tensor serves both forms (the naive one
+        # dots it with [k_nope | k_pe] as is).
+        q = kernels.rotate_tail(q.view(n, self.n_heads, -1), cos, sin, self.rope_dim, rope.interleaved)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        # The cached latent [c_kv | k_pe]: normalized and rotated, then stored as is.
+        norm = self.kv_a_layernorm
+        latent = kernels.mla_latent(
+            self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin, rope.interleaved
+        )
+        kv, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)
         cache = layout.cache
         if cache is not None:
-            cache.store(layer, layout.slots, kv, k_pe)
+            cache.store(layer, layout.slots, latent)
         if cache is None and impl != "absorbed" and _is_rectangle(layout):
-            out = self._naive_rectangle(q_nope, q_pe, kv, k_pe, len(layout.spans))
+            out = self._naive_rectangle(q, kv, k_pe, len(layout.spans))
             return self.o_proj(out.flatten(1))
         decodes = layout.decode_rows if impl != "naive" else None
         if decodes is not None and decodes.every_row:
@@ -108,20 +116,24 @@ class MLA(nn.Module):
                 continue
             rows = slice(span.offset, span.offset + span.length)
             keys, pes = kv[rows], k_pe[rows]
-            if cache is not None:
+            # A span that starts the sequence has all its keys in this pass; earlier ones come from the
+            # cache (read back only when it holds them in another dtype, as decode will see them).
+            if cache is not None and (span.start_pos > 0 or cache.pool.dtype != kv.dtype):
                 keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos)
             mask = causal_mask(span.length, keys.shape[0], x.device) if span.length > 1 else None
             absorbed = impl == "absorbed" or (impl == "auto" and span.length == 1)
-            attend = self._absorbed if absorbed else self._naive
-            out[rows] = attend(q_nope[rows], q_pe[rows], keys, pes, mask)
+            if absorbed:
+                out[rows] = self._absorbed(q_nope[rows], q_pe[rows], keys, pes, mask)
+            else:
+                out[rows] = self._naive(q[rows], keys, pes, mask)
         return self.o_proj(out.flatten(1))
 
-    def _naive_rectangle(self, q_nope, q_pe, kv, k_pe, batch: int) -> torch.Tensor:
+    def _naive_rectangle(self, q, kv, k_pe, batch: int) -> torch.Tensor:
         """Equal-length sequences without a cache (training, the [B, T] API): one fused causal
         attention over the whole batch instead of a loop over sequences."""
-        t = q_nope.shape[0] // batch
-        k, v = self._keys_values(kv.view(batch, t, -1), k_pe.view(batch, t, -1))
-        q = torch.cat([q_nope, q_pe], dim=-1).view(batch, t, self.n_heads, -1)
+        t = q.shape[0] // batch
+        k, v = self._keys_values(kv.reshape(batch, t, -1), k_pe.reshape(batch, t, -1))
+        q = q.reshape(batch, t, self.n_heads, -1)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
         )
@@ -151,15 +163,14 @@ class MLA(nn.Module):
         w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def _naive(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
-        """Per-head keys and values from the latent: [T, H, *] queries over S cached tokens, in fused
-        attention (the mask, additive [T, S], puts the queries at the last T positions).
+    def _naive(self, q, kv, k_pe, mask) -> torch.Tensor:
+        """Per-head keys and values from the latent: queries [T, H, nope | rope] over S cached tokens,
+        in fused attention (the mask, additive [T, S], puts the queries at the last T positions).
 
         Causal prompts go by blocks of queries, each over only the keys up to its last position: a
         fresh prompt then costs about half the arithmetic of one masked T x S attention."""
         k, v = self._keys_values(kv, k_pe)
-        q = torch.cat([q_nope, q_pe], dim=-1).transpose(0, 1)
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, scale=self.scale).transpose(0, 1)
         n_queries, n_keys = mask.shape

@@ -38,10 +38,10 @@ class PagedLatentCache:
     def bytes_per_token(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:
         return (args.kv_lora_rank + args.qk_rope_head_dim) * n_layers * torch.finfo(dtype).bits // 8
 
-    def store(self, layer: int, slots: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor) -> None:
-        """Write tokens' latents (kv [N, C], pe [N, P]) at flat slots (block * block_size + offset)."""
+    def store(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """Write tokens' latents ([N, C + P]) at flat slots (block * block_size + offset)."""
         flat = self.pool[self.slot_of_layer[layer]].view(-1, self.pool.shape[-1])
-        flat[slots] = torch.cat([kv, pe], dim=-1).to(flat.dtype)
+        flat.index_copy_(0, slots, latent.to(flat.dtype))
 
     def gather(self, layer: int, block_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's first `length` cached tokens as contiguous (kv [L, C], pe [L, P])."""

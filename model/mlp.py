@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 from .linear import Linear
 
@@ -19,4 +20,4 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))

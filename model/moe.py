@@ -5,7 +5,6 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -18,6 +17,15 @@ from .mlp import MLP
 # zero-padded batched GEMM) instead of a GEMM per expert: decode-sized groups, where per-call overhead
 # outweighs the padding's wasted arithmetic.
 STACKED_MAX_ROWS = 64
+
+
+def combine_expert_outputs(
+    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, base: torch.Tensor | None = None
+) -> torch.Tensor:
+    """base + per token the routing-weighted sum of its expert outputs: y's row i is the output for
+    (token, k) pair order[i] of weights [T, K] (pairs numbered token * K + k)."""
+    slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return kernels.moe_combine(y, slot.view(weights.shape), weights, base)
 
 
 class MoE(nn.Module):
@@ -44,21 +52,19 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.gate(x)
-        out = self.routed(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out.view(shape)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.routed(x, weights, ids, base=shared).view(shape)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[:, k] * expert_{ids[:, k]}(x), every expert local."""
+    def routed(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """base + sum_k weights[:, k] * expert_{ids[:, k]}(x), every expert local."""
         flat_ids = ids.flatten()
         order = flat_ids.argsort(stable=True)
-        token_of_slot = order // ids.shape[1]
         counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
         # index_select, not x[token_of_slot]: the same gather, several times faster on the CPU.
-        y = self.run_grouped(x.index_select(0, token_of_slot), counts)
-        y = y * weights.flatten()[order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_slot, y)
+        y = self.run_grouped(x.index_select(0, order // ids.shape[1]), counts)
+        return combine_expert_outputs(y, order, weights, base)
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -105,7 +111,7 @@ class MoE(nn.Module):
         """run_grouped through the CPU grouped-linear kernel: no padding, idle experts' weights unread."""
         offsets = torch.tensor(list(accumulate(local_counts, initial=0)))
         gate, up = kernels.grouped_linear(x_sorted, self.gate_up, offsets).chunk(2, dim=-1)
-        return kernels.grouped_linear(F.silu(gate) * up, self.down, offsets)
+        return kernels.grouped_linear(kernels.silu_mul(gate, up), self.down, offsets)
 
     def run_stacked(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
         """run_grouped as two batched GEMMs: each local expert's rows zero-padded to the largest group."""
@@ -117,6 +123,6 @@ class MoE(nn.Module):
         slot = group * width + torch.arange(x_sorted.shape[0], device=x_sorted.device) - first_row[group]
         padded = x_sorted.new_zeros(n_local * width, x_sorted.shape[1])
         padded[slot] = x_sorted
-        gate, up = torch.bmm(padded.view(n_local, width, -1), self.gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.down.transpose(1, 2))
-        return y.view(n_local * width, -1)[slot]
+        gate_up = torch.bmm(padded.view(n_local, width, -1), self.gate_up.transpose(1, 2)).flatten(0, 1)
+        act = kernels.silu_mul(*gate_up.chunk(2, dim=-1)).view(n_local, width, -1)
+        return torch.bmm(act, self.down.transpose(1, 2)).view(n_local * width, -1)[slot]

@@ -1,7 +1,8 @@
-"""Rotary position embedding with YaRN frequency interpolation.
+"""Rotary position embedding with YaRN frequency interpolation: the cos/sin tables (the rotation itself
+is `kernels.rotate_tail` / `kernels.mla_latent`).
 
 HF DeepSeek checkpoints store q/k rope dims as interleaved pairs (x[2i], x[2i+1]); both q and k are
-rotated in place here, so scores equal transformers' (it de-interleaves both, a permutation the dot
+rotated as stored here, so scores equal transformers' (it de-interleaves both, a permutation the dot
 product does not see).
 """
 
@@ -47,7 +48,7 @@ def rope_amplitude(args: ModelArgs) -> float:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Holds inverse frequencies; `cos_sin(positions)` gives tables for `apply_rotary`."""
+    """Holds inverse frequencies; `cos_sin(positions)` gives the [T, d/2] tables the kernels rotate by."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -58,20 +59,3 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[..., None] * self.inv_freq
         return angles.cos() * self.amplitude, angles.sin() * self.amplitude
-
-    def apply(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, per_head: bool = False
-    ) -> torch.Tensor:
-        """Rotate x [..., T, d] (or [..., T, H, d] when per_head) by tables [T, d/2]."""
-        if per_head:
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        dtype = x.dtype
-        x = x if dtype == torch.float32 else x.float()  # no no-op casts: this runs twice per layer
-        if self.interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out if dtype == torch.float32 else out.to(dtype)

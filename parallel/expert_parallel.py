@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelArgs
-from model.moe import MoE
+from model.moe import MoE, combine_expert_outputs
 
 from .group import Group
 
@@ -79,9 +79,11 @@ class ExpertParallelMoE(MoE):
             routed = self.tp.all_gather_cat(padded, dim=0)[:n]
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def routed(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if self.ep.size == 1:  # every expert is here: nothing to dispatch, skip its bookkeeping
-            return super().routed(x, weights, ids)
+            return super().routed(x, weights, ids, base)
         k, n_experts = ids.shape[1], self.n_routed_experts
         flat_ids = ids.flatten()
         dest = self.placement.destinations(flat_ids)
@@ -102,8 +104,7 @@ class ExpertParallelMoE(MoE):
         )
         computed = self._run_local(arrived, arrived_ids)
         back = self.ep.all_to_all(computed, recvs, sends)  # the reverse exchange: combine
-        back = back * weights.flatten()[order, None].to(back.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_slot, back)
+        return combine_expert_outputs(back, order, weights, base)
 
     def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Apply each row's expert; rows from different senders are regrouped by expert first."""

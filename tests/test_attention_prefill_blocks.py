@@ -26,14 +26,13 @@ def test_blocked_causal_attention_equals_one_masked_softmax(n_queries, n_keys):
     mla = MLA(args).requires_grad_(False)
     torch.nn.init.normal_(mla.kv_b_proj.weight, std=0.3)
     heads, nope, rope = mla.n_heads, mla.nope_dim, mla.rope_dim
-    q_nope, q_pe = torch.randn(n_queries, heads, nope), torch.randn(n_queries, heads, rope)
+    q = torch.randn(n_queries, heads, nope + rope)
     kv, k_pe = torch.randn(n_keys, mla.kv_rank), torch.randn(n_keys, rope)
     mask = causal_mask(n_queries, n_keys, torch.device("cpu"))
 
-    out = mla._naive(q_nope, q_pe, kv, k_pe, mask)
+    out = mla._naive(q, kv, k_pe, mask)
 
     k, v = mla._keys_values(kv, k_pe)
-    q = torch.cat([q_nope, q_pe], dim=-1)
     scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * mla.scale + mask.double()
     expected = torch.einsum("hts,shv->thv", scores.softmax(dim=-1), v.double())
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)

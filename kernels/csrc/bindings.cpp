@@ -4,8 +4,21 @@
 torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                    torch::Tensor block_table, torch::Tensor seq_lens, double scale);
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets);
+torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
+                             torch::Tensor sin, bool interleaved);
+torch::Tensor rotate_tail_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t p, bool interleaved);
+torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
+torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor weights,
+                              c10::optional<torch::Tensor> base);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU");
   m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows");
+  m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm of fp32 rows");
+  m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
+  m.def("rotate_tail_cpu", &rotate_tail_cpu, "in place: rotary embedding of each head's last columns");
+  m.def("silu_mul_cpu", &silu_mul_cpu, "silu(gate) * up");
+  m.def("moe_combine_cpu", &moe_combine_cpu, "base + the routing-weighted sum of each token's expert outputs",
+        py::arg("y"), py::arg("slot"), py::arg("weights"), py::arg("base") = py::none());
 }

@@ -1,0 +1,59 @@
+"""Torch definitions of the small per-token steps that csrc/fused_cpu.cpp fuses (RMSNorm, rotary
+embedding, SiLU gating, the routed experts' weighted sum): the path everywhere the C++ kernels do not
+run (CUDA, other dtypes, autograd), and what they are tested against."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in fp32 (as DeepSeek and transformers compute it), returned in x's dtype."""
+    if x.dtype == weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rotate_ref(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """x [T, d] or [T, H, d] rotated by tables [T, d/2], in fp32: pairs (2i, 2i+1) when interleaved
+    (DeepSeek's checkpoint layout), else (i, i + d/2)."""
+    if x.dim() == 3:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    dtype = x.dtype
+    x = x if dtype == torch.float32 else x.float()  # no no-op casts: this runs twice per layer
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out if dtype == torch.float32 else out.to(dtype)
+
+
+def mla_latent_ref(
+    latent: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, interleaved: bool
+) -> Tensor:
+    """latent [T, C + P] -> [rms_norm(first C columns) | rotated last P columns]."""
+    kv, pe = latent.split([weight.numel(), latent.shape[-1] - weight.numel()], dim=-1)
+    return torch.cat([rms_norm_ref(kv, weight, eps), rotate_ref(pe, cos, sin, interleaved)], dim=-1)
+
+
+def rotate_tail_ref(x: Tensor, cos: Tensor, sin: Tensor, p: int, interleaved: bool) -> Tensor:
+    """x [T, H, D] with the last p columns of every head rotated."""
+    head, tail = x.split([x.shape[-1] - p, p], dim=-1)
+    return torch.cat([head, rotate_ref(tail, cos, sin, interleaved)], dim=-1)
+
+
+def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+def moe_combine_ref(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
+    """base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D], slot/weights [T, K], base [T, D] or None."""
+    out = torch.einsum("tk,tkd->td", weights.to(y.dtype), y[slot])
+    return out if base is None else base + out

@@ -1,0 +1,81 @@
+"""The fused per-token CPU kernels (csrc/fused_cpu.cpp) against their torch references, on strided
+inputs as the model passes them (slices of a wider projection output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import cpu_extension
+from kernels import fused_reference as ref
+
+pytestmark = pytest.mark.skipif(cpu_extension.module() is None, reason="the CPU kernels did not build")
+ext = cpu_extension.module()
+
+
+def _tables(rows: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.rand(rows, half) * 6.3
+    return angles.cos() * 1.1, angles.sin() * 1.1  # amplitude != 1, as under YaRN
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 8), (37, 256), (5, 13)])
+def test_rms_norm(rows, dim):
+    wide = torch.randn(rows, dim + 9) * 3
+    x, weight = wide[:, 2 : 2 + dim], torch.randn(dim)
+    torch.testing.assert_close(ext.rms_norm_cpu(x, weight, 1e-6), ref.rms_norm_ref(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_latent_normalizes_then_rotates_in_place(interleaved):
+    rows, c, p = 19, 40, 8
+    wide = torch.randn(rows, c + p + 3)
+    latent, weight = wide[:, : c + p], torch.randn(c)
+    cos, sin = _tables(rows, p // 2)
+    expected = ref.mla_latent_ref(latent.clone(), weight, 1e-6, cos, sin, interleaved)
+    out = ext.mla_latent_cpu(latent, weight, 1e-6, cos, sin, interleaved)
+    assert out.data_ptr() == latent.data_ptr()
+    torch.testing.assert_close(latent, expected)
+    torch.testing.assert_close(wide[:, c + p :], wide[:, c + p :].clone())  # neighbours untouched
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rotate_tail_rotates_only_the_last_columns_of_each_head(interleaved):
+    rows, heads, nope, p = 11, 3, 6, 8
+    x = torch.randn(rows, heads, nope + p)
+    cos, sin = _tables(rows, p // 2)
+    expected = ref.rotate_tail_ref(x.clone(), cos, sin, p, interleaved)
+    ext.rotate_tail_cpu(x, cos, sin, p, interleaved)
+    torch.testing.assert_close(x, expected)
+
+
+def test_silu_mul_over_the_whole_range():
+    gate_up = torch.randn(33, 2 * 21) * 20  # beyond +-88, where a naive e^-x overflows
+    gate_up[0, :4] = torch.tensor([0.0, -200.0, 200.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ext.silu_mul_cpu(gate, up), ref.silu_mul_ref(gate, up))
+
+
+@pytest.mark.parametrize("with_base", [True, False])
+def test_moe_combine(with_base):
+    tokens, k, d = 13, 3, 20
+    y = torch.randn(tokens * k, d)
+    slot = torch.randperm(tokens * k).view(tokens, k)
+    weights = torch.rand(tokens, k)
+    base = torch.randn(tokens, d + 4)[:, :d] if with_base else None
+    out = ext.moe_combine_cpu(y, slot, weights, base)
+    torch.testing.assert_close(out, ref.moe_combine_ref(y, slot, weights, base))
+
+
+def test_moe_combine_refuses_a_slot_out_of_range():
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.moe_combine_cpu(torch.randn(4, 8), torch.tensor([[0, 4]]), torch.ones(1, 2), None)
+
+
+def test_dispatch_keeps_autograd_on_the_reference():
+    x = torch.randn(4, 16, requires_grad=True)
+    weight = torch.ones(16, requires_grad=True)
+    kernels.rms_norm(x, weight, 1e-6).sum().backward()
+    assert x.grad is not None and weight.grad is not None
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), ref.rms_norm_ref(x, weight, 1e-6))
