@@ -11,6 +11,7 @@
 
 #include <algorithm>
 
+#include "prefetch.h"
 #include "simd.h"
 
 namespace {
@@ -19,6 +20,7 @@ using moelaunch::in_register;
 using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
+using moelaunch::SpreadPrefetcher;
 using moelaunch::to_float;
 using moelaunch::vec8;
 
@@ -27,22 +29,15 @@ constexpr int64_t kRowTile = 4;
 // Weight rows per parallel task: large enough to amortize the task, small enough to split a matrix.
 constexpr int64_t kTaskWeightRows = 60;  // a multiple of kWeightTile
 
-// out[m * ldo + j] = x[m] . w[j] over k values, for MR input rows and NR weight rows. `prefetch` (may
-// be null) is where the weight stream continues: it is requested as fast as this tile consumes weights.
-// With short weight rows (up to a page) the hardware prefetcher sees NR interleaved streams that each
-// end soon and falls behind; streaming ahead by hand restores full memory bandwidth. Long rows it
-// follows by itself, and extra prefetches there only take load slots.
+// out[m * ldo + j] = x[m] . w[j] over k values, for MR input rows and NR weight rows; one prefetch tick
+// per step.
 template <int MR, int NR, typename weight_t>
 inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, float* out, int64_t ldo,
-                     const weight_t* prefetch) {
+                     SpreadPrefetcher& prefetch) {
   vec8 acc[MR][NR] = {};
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
-    if (prefetch != nullptr) {
-      const char* line = reinterpret_cast<const char*>(prefetch + NR * i);
-      __builtin_prefetch(line);
-      __builtin_prefetch(line + 64);
-    }
+    prefetch.tick();
     vec8 wv[NR];
     // Pinned only when reused: a lone row streams faster with each weight load folded into its FMA.
     for (int j = 0; j < NR; ++j) wv[j] = MR > 1 ? in_register(load8(w + j * k + i)) : load8(w + j * k + i);
@@ -63,15 +58,22 @@ inline void dot_tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, 
   }
 }
 
-// One group's rows [m0, m1) against weight rows [n, n + NR); only the first pass over the rows streams
-// the weights in (the others find them in L1), so only it prefetches.
+// One group's rows [m0, m1) against weight rows [n, n + NR), by passes of kRowTile rows; the first pass
+// streams the weights in, the others find them in L1. Meanwhile the next weight tile is prefetched:
+// with short weight rows (up to a page) the hardware prefetcher sees NR interleaved streams that each
+// end soon and falls behind. Long rows it follows by itself, and extra prefetches only take load slots.
 template <int NR, typename weight_t>
 inline void rows_by_weight_tile(const float* x, const weight_t* w, float* out, int64_t m0, int64_t m1, int64_t k,
                                 int64_t n_total, int64_t n) {
   constexpr int64_t kPage = 4096;
-  const weight_t* prefetch = k * static_cast<int64_t>(sizeof(weight_t)) <= kPage ? w + NR * k : nullptr;
+  SpreadPrefetcher prefetch;
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(weight_t));
+  if (row_bytes <= kPage) {
+    const int64_t passes = (m1 - m0 + kRowTile - 1) / kRowTile;
+    prefetch = SpreadPrefetcher(w + NR * k, NR * row_bytes, passes * (k / kLanes));
+  }
   int64_t m = m0;
-  for (; m + kRowTile <= m1; m += kRowTile, prefetch = nullptr) {
+  for (; m + kRowTile <= m1; m += kRowTile) {
     dot_tile<kRowTile, NR>(x + m * k, k, w, k, out + m * n_total + n, n_total, prefetch);
   }
   const float* xm = x + m * k;

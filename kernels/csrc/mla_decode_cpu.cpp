@@ -19,6 +19,7 @@
 #include <limits>
 #include <vector>
 
+#include "prefetch.h"
 #include "simd.h"
 
 namespace {
@@ -29,6 +30,7 @@ using moelaunch::in_register;
 using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
+using moelaunch::SpreadPrefetcher;
 using moelaunch::store8;
 using moelaunch::to_float;
 using moelaunch::vec8;
@@ -41,40 +43,11 @@ constexpr int64_t kHeadTile = 4;
 // 8 heads x 1 (which broadcasts eight probabilities per loaded vector) by 15-25 % in isolation.
 constexpr int kWeightedSumVectors = 2;
 
-// Brings the next block a task will read into the cache while the current one is computed, one cache
-// line every `period` ticks of the inner loops, so the fetch is spread over the whole block. Issuing it
-// all in one pass (as an earlier version did) filled the core's outstanding-miss slots and stalled the
-// loads it was meant to hide: a 64-row layer with cold cache took 8.7 ms that way, 6.9 ms spread out
-// (6.0 ms is the same work on cached data).
-class BlockPrefetcher {
- public:
-  BlockPrefetcher() = default;
-  BlockPrefetcher(const void* start, int64_t bytes, int64_t ticks)
-      : next_(static_cast<const char*>(start)),
-        end_(next_ + bytes),
-        period_(std::max<int64_t>(1, ticks / ((bytes + kLine - 1) / kLine))) {}
-
-  void tick() {
-    if (++count_ < period_) return;
-    count_ = 0;
-    if (next_ < end_) {
-      __builtin_prefetch(next_, 0, 3);
-      next_ += kLine;
-    }
-  }
-
- private:
-  static constexpr int64_t kLine = 64;
-  const char* next_ = nullptr;
-  const char* end_ = nullptr;
-  int64_t period_ = 1, count_ = 0;
-};
-
 // scores[h * stride + t] = q[h] . tokens[t] for kHeadTile heads and TT tokens of `width` values; one
 // prefetch tick per step.
 template <int TT, typename cache_t>
 inline void score_tile(const float* q, const cache_t* tokens, int64_t width, float* scores, int64_t stride,
-                       BlockPrefetcher& fetch) {
+                       SpreadPrefetcher& fetch) {
   vec8 acc[kHeadTile][TT] = {};
   int64_t i = 0;
   for (; i + kLanes <= width; i += kLanes) {
@@ -105,7 +78,7 @@ inline void score_tile(const float* q, const cache_t* tokens, int64_t width, flo
 // prefetch tick per token.
 template <int HT, int V, typename cache_t>
 inline void weighted_sum_chunk(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
-                               int64_t c_dim, int64_t c, float* acc, BlockPrefetcher& fetch) {
+                               int64_t c_dim, int64_t c, float* acc, SpreadPrefetcher& fetch) {
   vec8 a[HT][V];
   for (int h = 0; h < HT; ++h) {
     for (int v = 0; v < V; ++v) a[h][v] = load8(acc + h * c_dim + c + v * kLanes);
@@ -128,7 +101,7 @@ inline void weighted_sum_chunk(const float* probs, int64_t stride, const cache_t
 // then single vectors, then scalars.
 template <int HT, int V, typename cache_t>
 inline void weighted_sum(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
-                         int64_t c_dim, float* acc, BlockPrefetcher& fetch) {
+                         int64_t c_dim, float* acc, SpreadPrefetcher& fetch) {
   int64_t c = 0;
   for (; c + V * kLanes <= c_dim; c += V * kLanes) {
     weighted_sum_chunk<HT, V>(probs, stride, tokens, n, width, c_dim, c, acc, fetch);
@@ -187,7 +160,7 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
                                            block_size * width;
         // What this task reads next (its row's next block, or the next task's first block) sits
         // elsewhere in the pool, where the hardware prefetcher cannot guess it.
-        BlockPrefetcher fetch;
+        SpreadPrefetcher fetch;
         const int64_t next = start + block_size;
         const bool same_row = next < len;
         const int64_t next_row = same_row ? r : (task + 1 < end ? (task + 1) / head_groups : -1);
@@ -198,7 +171,7 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
               cache + static_cast<int64_t>(block_table[next_row * max_blocks + from / block_size]) * block_size * width;
           const int64_t ticks =
               nh_tiles * ((n + 2) / 3 * (width / kLanes) + c_dim / (kLanes * kWeightedSumVectors) * n);
-          fetch = BlockPrefetcher(next_block, next_n * width * static_cast<int64_t>(sizeof(cache_t)), ticks);
+          fetch = SpreadPrefetcher(next_block, next_n * width * static_cast<int64_t>(sizeof(cache_t)), ticks);
         }
         for (int64_t ht = 0; ht < nh_tiles; ++ht) {
           const float* q_tile = q.data() + ht * kHeadTile * width;
