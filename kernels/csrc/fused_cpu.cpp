@@ -168,7 +168,8 @@ torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor
                               c10::optional<torch::Tensor> base) {
   check_rows(y, "y");
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "y must be a contiguous [S, D]");
-  TORCH_CHECK(slot.scalar_type() == torch::kInt64 && slot.is_contiguous() && slot.dim() == 2, "slot must be int64 [T, K]");
+  TORCH_CHECK(slot.scalar_type() == torch::kInt64 && slot.is_contiguous() && slot.dim() == 2,
+              "slot must be a contiguous int64 [T, K]");
   TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() && weights.sizes() == slot.sizes(),
               "weights must be a contiguous fp32 [T, K] like slot");
   const int64_t tokens = slot.size(0), k = slot.size(1), d = y.size(1), slots = y.size(0);

@@ -178,17 +178,14 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
           float* s_tile = probs.data() + ht * kHeadTile * block_size;
           int64_t t = 0;
           for (; t + 3 <= n; t += 3) {
-            score_tile<3>(q_tile, block + t * width, width, s_tile + t, block_size,
-                          fetch);
+            score_tile<3>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
           }
           if (t + 2 <= n) {
-            score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size,
-                          fetch);
+            score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
             t += 2;
           }
           if (t < n) {
-            score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size,
-                          fetch);
+            score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
           }
         }
         for (int64_t h = 0; h < nh_tiles * kHeadTile; ++h) {
@@ -218,8 +215,8 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
           running_max[h] = block_max;
         }
         for (int64_t ht = 0; ht < nh_tiles; ++ht) {
-          weighted_sum<kHeadTile, kWeightedSumVectors>(probs.data() + ht * kHeadTile * block_size, block_size,
-                                                       block, n, width, c_dim, acc.data() + ht * kHeadTile * c_dim, fetch);
+          weighted_sum<kHeadTile, kWeightedSumVectors>(probs.data() + ht * kHeadTile * block_size, block_size, block,
+                                                       n, width, c_dim, acc.data() + ht * kHeadTile * c_dim, fetch);
         }
       }
       for (int64_t h = 0; h < nh; ++h) {
