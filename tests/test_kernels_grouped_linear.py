@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from error_bounds import assert_within, matmul_error
 
 import kernels
 from kernels import grouped_linear_cpu
 from kernels.dispatch import LINEAR_KERNEL_MAX_ROWS
 
 
-def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    parts = x.double().split(counts)
-    return torch.cat([F.linear(p, w.double()) for p, w in zip(parts, weight, strict=True)])
+def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's rows times its weight in float64, and the bound on an fp32 computation's error."""
+    pairs = list(zip(x.split(counts), weight, strict=True))
+    exact = torch.cat([F.linear(p.double(), w.double()) for p, w in pairs])
+    return exact, torch.cat([matmul_error(p, w.T) for p, w in pairs])
 
 
 @pytest.mark.parametrize(
@@ -33,7 +36,7 @@ def test_grouped_linear_matches_linear_per_group(counts, n, k, weight_dtype):
     offsets = torch.tensor([0, *counts]).cumsum(0)
     out = grouped_linear_cpu.grouped_linear_cpu(x, weight, offsets)
     assert out.shape == (sum(counts), n) and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _expected(x, weight, counts), rtol=1e-5, atol=1e-5)
+    assert_within(out, *_expected(x, weight, counts))
 
 
 def test_bad_offsets_are_refused():
@@ -51,7 +54,8 @@ def _linear_calls(monkeypatch, x: torch.Tensor, weight: torch.Tensor) -> list[st
     monkeypatch.setattr(grouped_linear_cpu, "grouped_linear_cpu", counted_kernel)
     monkeypatch.setattr(F, "linear", lambda *a, _f=F.linear: calls.append("blas") or _f(*a))
     out = kernels.linear(x, weight)
-    torch.testing.assert_close(out, x @ weight.detach().T, rtol=1e-5, atol=1e-5)
+    w = weight.detach()
+    assert_within(out, x.double() @ w.double().T, matmul_error(x, w.T))
     return calls
 
 

@@ -4,13 +4,17 @@ naive MLA."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from error_bounds import assert_within, dot_logit_error, matmul_error, softmax_average_error
 from torch import Tensor
 
 import kernels
@@ -110,18 +114,38 @@ def _lens_and_sharing(block_size: int) -> tuple[list[int], list[int]]:
     return [1, block_size, 2 * block_size + 3, 32, 69, 70], [0, 0, 1, 2, 3, 3]
 
 
-def _naive_decode(b: PagedBatch, scale: float) -> Tensor:
-    """Per row and head, softmax over the row's contiguous prefix, in float64: [R, H, C]."""
+def _naive_decode(b: PagedBatch, scale: float) -> tuple[Tensor, Tensor]:
+    """Per row and head, softmax over the row's contiguous prefix in float64, and the bound on an fp32
+    computation's error (tests/error_bounds.py): ([R, H, C], [R, H, C])."""
     rows, heads, c_dim = b.q_latent.shape
     out = torch.empty(rows, heads, c_dim, dtype=torch.float64)
+    bound = torch.empty_like(out)
     for r, (n, s) in enumerate(zip(b.seq_lens.tolist(), b.row_seq, strict=True)):
-        tokens = b.seqs[s][:n].double()
-        c, k_pe = tokens[:, :c_dim], tokens[:, c_dim:]
-        for h in range(heads):
-            logits = scale * (c @ b.q_latent[r, h].double() + k_pe @ b.q_pe[r, h].double())
-            weights = torch.exp(logits - logits.max())
-            out[r, h] = (weights / weights.sum()) @ c
-    return out
+        tokens = b.seqs[s][:n].float()
+        queries = torch.cat([b.q_latent[r], b.q_pe[r]], dim=-1).float()  # [H, C + P]
+        logits = scale * (queries.double() @ tokens.double().T)
+        c = tokens[:, :c_dim].double()
+        out[r] = logits.softmax(dim=-1) @ c
+        bound[r] = softmax_average_error(logits, dot_logit_error(queries, tokens, scale), c)
+    return out, bound
+
+
+def _check_decode(out: Tensor, b: PagedBatch, scale: float) -> None:
+    assert_within(out, *_naive_decode(b, scale))
+
+
+# Logits in the hundreds: exp overflows without the running max, and the max moves between tiles.
+LARGE_LOGITS_SCALE = 20.0
+
+
+def _large_logits_batch() -> PagedBatch:
+    return _paged_batch(torch.Generator().manual_seed(3), 4, 64, 16, 4, *_lens_and_sharing(4))
+
+
+def tri_module_file() -> str:
+    from kernels import mla_decode_triton
+
+    return mla_decode_triton.__file__
 
 
 @needs_interpreter
@@ -135,7 +159,7 @@ def test_triton_matches_reference(tri, heads, c_dim, p_dim, block_size):
     scale = (c_dim + p_dim) ** -0.5
     out = tri.paged_mla_decode_triton(*b.args(), scale)
     assert out.shape == (6, heads, c_dim) and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref.paged_mla_decode_ref(*b.args(), scale), rtol=1e-5, atol=1e-5)
+    _check_decode(out, b, scale)
 
 
 @needs_interpreter
@@ -148,19 +172,40 @@ def test_triton_strided_inputs_and_head_blocks(tri):
     padded[..., :80] = b.cache
     q_latent = b.q_latent.transpose(0, 1).contiguous().transpose(0, 1)
     args = (q_latent, b.q_pe, padded[..., :80], b.block_table, b.seq_lens.long(), 0.125)
-    torch.testing.assert_close(
-        tri.paged_mla_decode_triton(*args), ref.paged_mla_decode_ref(*b.args(), 0.125), rtol=1e-5, atol=1e-5
-    )
+    _check_decode(tri.paged_mla_decode_triton(*args), b, 0.125)
 
 
 @needs_interpreter
 def test_triton_large_logits(tri):
     """Logits in the hundreds overflow exp without the running max: checks the online rescaling."""
-    g = torch.Generator().manual_seed(3)
-    b = _paged_batch(g, 4, 64, 16, 4, *_lens_and_sharing(4))
-    out = tri.paged_mla_decode_triton(*b.args(), 20.0)
-    assert out.isfinite().all()
-    torch.testing.assert_close(out, ref.paged_mla_decode_ref(*b.args(), 20.0), rtol=1e-5, atol=1e-5)
+    b = _large_logits_batch()
+    _check_decode(tri.paged_mla_decode_triton(*b.args(), LARGE_LOGITS_SCALE), b, LARGE_LOGITS_SCALE)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "broken",
+    ["acc = acc * alpha[:, None] + ", "l_i = l_i * alpha + "],
+    ids=["accumulator", "denominator"],
+)
+def test_large_logits_check_catches_a_broken_rescaling(tmp_path, monkeypatch, broken):
+    """The bound is loose enough for any summation order and still far below a real bug: the kernel with
+    one of its online-softmax rescalings dropped fails the check of test_triton_large_logits."""
+    source = Path(tri_module_file()).read_text()
+    mutated = {
+        "acc = acc * alpha[:, None] + ": "acc = acc + ",
+        "l_i = l_i * alpha + ": "l_i = l_i + ",
+    }[broken]
+    assert source.count(broken) == 1, f"the kernel no longer has {broken!r}: update this test"
+    (tmp_path / "broken_mla_decode.py").write_text(source.replace(broken, mutated))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken_kernel = importlib.import_module("broken_mla_decode")
+    b = _large_logits_batch()
+    with pytest.raises(AssertionError, match="outside the error bound"):
+        _check_decode(
+            broken_kernel.paged_mla_decode_triton(*b.args(), LARGE_LOGITS_SCALE), b, LARGE_LOGITS_SCALE
+        )
+    sys.modules.pop("broken_mla_decode")
 
 
 @pytest.mark.parametrize(
@@ -172,20 +217,21 @@ def test_triton_large_logits(tri):
 def test_cpu_paths_match_naive_loop(heads, c_dim, p_dim, block_size, scale):
     g = torch.Generator().manual_seed(block_size + heads)
     b = _paged_batch(g, heads, c_dim, p_dim, block_size, *_lens_and_sharing(block_size))
-    expected = _naive_decode(b, scale)
     for fn in (ref.paged_mla_decode_ref, cpu.paged_mla_decode_cpu):
         out = fn(*b.args(), scale)
         assert out.dtype == torch.float32
-        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        _check_decode(out, b, scale)
 
 
 def test_bf16_matches_naive_loop(path):
-    """bf16 in and out, fp32 inside: only the final rounding (half a bf16 ulp, 2^-9 relative) remains."""
+    """bf16 in and out, fp32 inside: the fp32 bound plus the final rounding to bf16 (2^-9 relative to nearest,
+    2^-8 where a cast truncates)."""
     g = torch.Generator().manual_seed(11)
     b = _paged_batch(g, 4, 64, 16, 16, *_lens_and_sharing(16), dtype=torch.bfloat16)
     out = kernels.paged_mla_decode(*b.args(), 0.125)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), _naive_decode(b, 0.125), rtol=2**-8, atol=1e-5)
+    expected, bound = _naive_decode(b, 0.125)
+    assert_within(out, expected, bound + 2**-8 * (expected.abs() + bound))
 
 
 def test_absorbed_decode_equals_naive_mla(path):
@@ -210,7 +256,27 @@ def test_absorbed_decode_equals_naive_mla(path):
         k_nope, v = (c @ kv_b.double().T).view(n, heads, nope + v_dim).split([nope, v_dim], dim=-1)
         logits = torch.einsum("hd,shd->hs", q_nope[r].double(), k_nope) + b.q_pe[r].double() @ k_pe.T
         naive = torch.einsum("hs,shv->hv", (scale * logits).softmax(dim=-1), v)
-        torch.testing.assert_close(absorbed[r].double(), naive, rtol=1e-5, atol=1e-5)
+        assert_within(absorbed[r], naive, _absorbed_error(q_nope[r], w_uk, w_uv, b.q_pe[r], c, k_pe, scale))
+
+
+def _absorbed_error(
+    q_nope: Tensor, w_uk: Tensor, w_uv: Tensor, q_pe: Tensor, c: Tensor, k_pe: Tensor, scale: float
+) -> Tensor:
+    """Bound on the fp32 error of the absorbed form for one row [H, V]: the folded query's rounding
+    carried into the logits, the decode itself, and the rounding of the W_UV product."""
+    heads = q_nope.shape[0]
+    q_latent = torch.einsum("hd,hdc->hc", q_nope.double(), w_uk.double())
+    q_latent_error = torch.stack([matmul_error(q_nope[h], w_uk[h]) for h in range(heads)])  # [H, C]
+    queries = torch.cat([q_latent, q_pe.double()], dim=-1)
+    keys = torch.cat([c, k_pe], dim=-1)
+    logits = scale * (queries @ keys.T)
+    logit_error = scale * (q_latent_error @ c.abs().T) + dot_logit_error(queries.float(), keys.float(), scale)
+    out_latent = logits.softmax(dim=-1) @ c  # [H, C]
+    latent_error = softmax_average_error(logits, logit_error, c)
+    w_uv = w_uv.double().abs()
+    return torch.stack(
+        [w_uv[h] @ latent_error[h] + matmul_error(out_latent[h], w_uv[h].T) for h in range(heads)]
+    )
 
 
 @pytest.mark.parametrize(

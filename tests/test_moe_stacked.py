@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from error_bounds import gamma
 from tiny_models import V3_BASE
 
 from model.config import args_from_hf_config
@@ -42,7 +43,12 @@ def test_stacked_experts_match_expert_by_expert(tokens, cpu_kernels):
     assert moe.experts["3"].down_proj.weight.data_ptr() == moe.down[3].data_ptr()
     for name, p in moe.named_parameters():
         assert torch.equal(p, weights_before[name]), name
-    torch.testing.assert_close(moe(x), expected, rtol=1e-5, atol=1e-5)
+    # The paths sum the same fp32 products in other orders: each differs from the exact value by at most
+    # gamma(K) times its terms' magnitudes, over the expert's two GEMMs (K = hidden, then intermediate).
+    # With these weights the terms' magnitudes stay within a few times the largest output.
+    reduction = moe.gate.weight.shape[1] + moe.experts["0"].down_proj.weight.shape[1]
+    tolerance = 16 * gamma(reduction) * expected.abs().max().item()
+    torch.testing.assert_close(moe(x), expected, rtol=0, atol=tolerance)
 
 
 def test_paths_taken_by_group_size(monkeypatch, cpu_kernels):
