@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-import kernels
-from kernels import mla_decode_reference
+from moelaunch import kernels
+from moelaunch.kernels import mla_decode_reference
 
 COLD_BYTES = 100 * 2**20
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cluster.rendezvous import RankEnv, init_distributed
-from model.config import ModelArgs, args_from_hf_config
-from parallel.expert_parallel import ExpertParallelMoE, ExpertPlacement
-from parallel.group import Group
-from parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.cluster.rendezvous import RankEnv, init_distributed
+from moelaunch.model.config import ModelArgs, args_from_hf_config
+from moelaunch.parallel.expert_parallel import ExpertParallelMoE, ExpertPlacement
+from moelaunch.parallel.group import Group
+from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 
 # The all_to_all calls of one ExpertParallelMoE.routed, in call order.
 A2A_CALLS = ("dispatch", "dispatch_ids", "combine")

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cluster.rendezvous import RankEnv, init_distributed
-from model.checkpoint import CheckpointReader
-from model.loading import load_model
-from parallel.mesh import MeshShape, ParallelMesh
-from parallel.sharded_model import load_shard
+from moelaunch.cluster.rendezvous import RankEnv, init_distributed
+from moelaunch.model.checkpoint import CheckpointReader
+from moelaunch.model.loading import load_model
+from moelaunch.parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.parallel.sharded_model import load_shard
 
 MB = 1 << 20
 # name: (dp, pp, tp); "full" is a single process running the unsharded loader.

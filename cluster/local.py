@@ -11,7 +11,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from .rendezvous import RankEnv
+from moelaunch.cluster.rendezvous import RankEnv
 
 PR_SET_PDEATHSIG = 1
 

@@ -1,13 +1,13 @@
-"""Block-scaled FP8, paged MLA decode and few-row linear kernels: Triton on CUDA; on the CPU C++ kernels
-for paged MLA decode, few-row linears and the fused per-token steps (`kernels.fused`), torch references
-for the rest.
+"""Block-scaled FP8, paged MLA decode and few-row linear kernels: Triton on CUDA; on the CPU C++
+kernels for paged MLA decode, few-row linears and the fused per-token steps (`kernels/fused.py`), torch
+references for the rest.
 
-The choice is made per call by `kernels.dispatch`.
+The choice is made per call by `moelaunch.kernels.dispatch`.
 """
 
 from __future__ import annotations
 
-from kernels.dispatch import (
+from moelaunch.kernels.dispatch import (
     act_quant,
     fp8_gemm,
     fp8_linear,
@@ -20,8 +20,8 @@ from kernels.dispatch import (
     weight_dequant,
     weight_quant,
 )
-from kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
-from kernels.fused import mla_latent, moe_combine, rms_norm, rotate_tail, silu_mul
+from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
+from moelaunch.kernels.fused import mla_latent, moe_combine, rms_norm, rotate_tail, silu_mul
 
 __all__ = [
     "BLOCK_SIZE",

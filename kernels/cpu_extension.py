@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import time
 import warnings
 from functools import cache
 from pathlib import Path
@@ -36,15 +38,28 @@ def _build_tag() -> str:
 
 @cache
 def _build() -> ModuleType | None:
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
+    name = f"moelaunch_cpu_kernels_{_build_tag()}"
+    # A first build takes a minute or two: say so, or a first `launch` looks hung.
+    fresh = not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    if fresh:
+        print(
+            "moelaunch: building the CPU kernels for this machine (first run only, 1-2 minutes)...",
+            file=sys.stderr,
+            flush=True,
+        )
+    started = time.monotonic()
     try:
-        return load(
-            name=f"moelaunch_cpu_kernels_{_build_tag()}",
+        built = load(
+            name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
+        if fresh:
+            print(f"moelaunch: CPU kernels built in {time.monotonic() - started:.0f} s", file=sys.stderr)
+        return built
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch paths
         warnings.warn(
             f"the CPU kernels could not be built ({type(e).__name__}: {e}); decoding uses the slower "

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_extension
-from kernels import fp8_reference as ref
-from kernels import grouped_linear_cpu as linear_cpu
-from kernels import mla_decode_cpu as mla_cpu
-from kernels import mla_decode_reference as mla_ref
-from kernels.fp8_reference import BLOCK_SIZE
+from moelaunch.kernels import cpu_extension
+from moelaunch.kernels import fp8_reference as ref
+from moelaunch.kernels import grouped_linear_cpu as linear_cpu
+from moelaunch.kernels import mla_decode_cpu as mla_cpu
+from moelaunch.kernels import mla_decode_reference as mla_ref
+from moelaunch.kernels.fp8_reference import BLOCK_SIZE
 
 
 def use_triton(t: Tensor) -> bool:
@@ -35,7 +35,7 @@ def use_triton(t: Tensor) -> bool:
 def _triton() -> ModuleType:
     # Imported on first use: a CPU-only run never pays for (or depends on) Triton, and the kernels get
     # decorated after the caller has had the chance to set TRITON_INTERPRET.
-    from kernels import fp8_triton
+    from moelaunch.kernels import fp8_triton
 
     return fp8_triton
 
@@ -82,7 +82,7 @@ def fp8_linear(
 
 def _mla_triton() -> ModuleType:
     # Lazy for the same reasons as `_triton`, and separate so MLA decode does not pull in the FP8 kernels.
-    from kernels import mla_decode_triton
+    from moelaunch.kernels import mla_decode_triton
 
     return mla_decode_triton
 

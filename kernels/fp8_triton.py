@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.fp8_reference import AMAX_FLOOR, BLOCK_SIZE, FP8_DTYPE, FP8_MAX
+from moelaunch.kernels.fp8_reference import AMAX_FLOOR, BLOCK_SIZE, FP8_DTYPE, FP8_MAX
 
 # Triton kernels may read only constexpr globals.
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)

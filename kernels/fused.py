@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import cpu_extension
-from kernels import fused_reference as ref
+from moelaunch.kernels import cpu_extension
+from moelaunch.kernels import fused_reference as ref
 
 
 def _on_cpu_kernel(*tensors: Tensor) -> bool:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels import cpu_extension
-from kernels.cpu_extension import cast_if_needed
+from moelaunch.kernels import cpu_extension
+from moelaunch.kernels.cpu_extension import cast_if_needed
 
 
 def paged_mla_decode_cpu(

@@ -11,16 +11,16 @@ import argparse
 import importlib
 import sys
 
-from cluster.errors import ClusterError
+from moelaunch.cluster.errors import ClusterError
 
 # name -> module that defines it (imported only when used, so `launch --help` stays fast)
 SUBCOMMANDS: dict[str, str] = {
-    "batch": "launcher.batch_cmd",
-    "bench": "launcher.bench_cmd",
-    "convert": "launcher.convert_cmd",
-    "eval": "launcher.eval_cmd",
-    "plan": "launcher.plan_cmd",
-    "slurm": "launcher.slurm_cmd",
+    "batch": "moelaunch.launcher.commands.batch",
+    "bench": "moelaunch.launcher.commands.bench",
+    "convert": "moelaunch.launcher.commands.convert",
+    "eval": "moelaunch.launcher.commands.eval",
+    "plan": "moelaunch.launcher.commands.plan",
+    "slurm": "moelaunch.launcher.commands.slurm",
 }
 
 
@@ -49,8 +49,8 @@ def deployment_parser() -> argparse.ArgumentParser:
 
 
 def run_deployment_command(argv: list[str]) -> int:
-    from .deploy_config import load_deploy_config
-    from .jobs import run_deployment
+    from moelaunch.launcher.deploy.config import load_deploy_config
+    from moelaunch.launcher.jobs.run import run_deployment
 
     args = deployment_parser().parse_args(argv)
     return run_deployment(load_deploy_config(args.config, args.set), args.set)

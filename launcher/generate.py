@@ -1,10 +1,10 @@
 """torchrun-style generation, with the reference's flags:
 
-    torchrun --nnodes N --nproc-per-node M [...] -m launcher.generate --ckpt-path DIR \\
+    torchrun --nnodes N --nproc-per-node M [...] -m moelaunch.launcher.generate --ckpt-path DIR \\
         (--interactive | --input-file FILE) [--max-new-tokens 200] [--temperature 0.2] \\
         [--tp T --dp D --pp P] [--output-file OUT.jsonl]
 
-Ranks come from the torchrun env; one process (`python -m launcher.generate ...`) works the same.
+Ranks come from the torchrun env; one process (`python -m moelaunch.launcher.generate ...`) works the same.
 Only global rank 0 reads prompts and prints; the engine sends the requests to the other ranks.
 """
 
@@ -17,17 +17,18 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from cluster.rendezvous import RankEnv
-
-from .chat import chat_loop, terminal_lines
-from .engine.config import EngineConfig
-from .engine.engine import LLMEngine, run_to_completion
-from .engine.launch import DTYPES, EngineSpec, build_engine
-from .engine.sampling_params import SamplingParams
+from moelaunch.cluster.rendezvous import RankEnv
+from moelaunch.launcher.engine.config import EngineConfig
+from moelaunch.launcher.engine.engine import LLMEngine, run_to_completion
+from moelaunch.launcher.engine.launch import DTYPES, EngineSpec, build_engine
+from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m launcher.generate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m moelaunch.launcher.generate", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--ckpt-path", required=True, help="Hugging Face checkpoint directory")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--interactive", action="store_true", help="chat on the terminal (rank 0)")

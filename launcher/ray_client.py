@@ -1,4 +1,4 @@
-"""The `ray` backend: the deployment's ranks as Ray actors (cluster.ray_backend), behind the same
+"""The `ray` backend: the deployment's ranks as Ray actors (moelaunch.cluster.ray.backend), behind the same
 LLM-shaped client the job modes use (`.engine`, `.tokenizer`, `.spec`, `.shutdown()`).
 
 Every rank, rank 0 included, runs in an actor on the cluster; this process (the driver) only steps
@@ -9,15 +9,14 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-from model.tokenizer import Tokenizer
-
-from .deploy_config import DeployConfig
-from .engine.launch import EngineSpec
+from moelaunch.launcher.deploy.config import DeployConfig
+from moelaunch.launcher.engine.launch import EngineSpec
+from moelaunch.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from cluster.ray_backend import RayGroup
+    from moelaunch.cluster.ray.backend import RayGroup
 
-ENTRY = "launcher.engine.launch:build_engine_from_json"
+ENTRY = "moelaunch.launcher.engine.launch:build_engine_from_json"
 
 
 class EngineProxy:
@@ -49,8 +48,8 @@ class EngineProxy:
 class RayLLM:
     def __init__(self, cfg: DeployConfig, spec: EngineSpec) -> None:
         # Ray is optional: imported here, so the local backend runs where it is not installed.
-        from cluster.ray_backend import GroupSpec, RayGroup
-        from cluster.ray_session import RaySession
+        from moelaunch.cluster.ray.backend import GroupSpec, RayGroup
+        from moelaunch.cluster.ray.session import RaySession
 
         c = cfg.cluster
         if c.address == "auto" and c.nodes > 1:

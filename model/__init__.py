@@ -1,10 +1,10 @@
 """DeepSeek-V3 in plain torch, loading Hugging Face checkpoints unchanged."""
 
-from .checkpoint import CheckpointError, CheckpointReader
-from .config import ConfigError, ModelArgs, args_from_hf_config, load_args
-from .kv_cache import PagedLatentCache
-from .loading import load_model
-from .transformer import Transformer
+from moelaunch.model.checkpoint import CheckpointError, CheckpointReader
+from moelaunch.model.config import ConfigError, ModelArgs, args_from_hf_config, load_args
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.loading import load_model
+from moelaunch.model.transformer import Transformer
 
 __all__ = [
     "CheckpointError",

@@ -13,13 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-
-from .batch import BatchLayout, DecodeRows
-from .config import ModelArgs
-from .linear import Linear
-from .norm import RMSNorm
-from .rope import RotaryEmbedding
+from moelaunch import kernels
+from moelaunch.model.batch import BatchLayout, DecodeRows
+from moelaunch.model.config import ModelArgs
+from moelaunch.model.linear import Linear
+from moelaunch.model.norm import RMSNorm
+from moelaunch.model.rope import RotaryEmbedding
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
 

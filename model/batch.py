@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from .kv_cache import PagedLatentCache
+from moelaunch.model.kv_cache import PagedLatentCache
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-import kernels
-
-from .checkpoint import INDEX_FILE, CheckpointError, CheckpointReader
+from moelaunch import kernels
+from moelaunch.model.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_QUANTIZATION_CONFIG = {

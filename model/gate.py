@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ModelArgs
+from moelaunch.model.config import ModelArgs
 
 
 class Gate(nn.Module):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-
-from .config import ModelArgs
+from moelaunch import kernels
+from moelaunch.model.config import ModelArgs
 
 
 class PagedLatentCache:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
+from moelaunch import kernels
 
 
 class Linear(nn.Module):

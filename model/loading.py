@@ -15,14 +15,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-import kernels
-
-from .checkpoint import CheckpointError, CheckpointReader
-from .config import ModelArgs, load_args
-from .linear import Linear
-from .rope import RotaryEmbedding
-from .sharding import ShardSpec
-from .transformer import Transformer, checkpoint_name
+from moelaunch import kernels
+from moelaunch.model.checkpoint import CheckpointError, CheckpointReader
+from moelaunch.model.config import ModelArgs, load_args
+from moelaunch.model.linear import Linear
+from moelaunch.model.rope import RotaryEmbedding
+from moelaunch.model.sharding import ShardSpec
+from moelaunch.model.transformer import Transformer, checkpoint_name
 
 log = logging.getLogger(__name__)
 

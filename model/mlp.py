@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-
-from .linear import Linear
+from moelaunch import kernels
+from moelaunch.model.linear import Linear
 
 
 class MLP(nn.Module):

@@ -7,11 +7,10 @@ from itertools import accumulate
 import torch
 from torch import nn
 
-import kernels
-
-from .config import ModelArgs
-from .gate import Gate
-from .mlp import MLP
+from moelaunch import kernels
+from moelaunch.model.config import ModelArgs
+from moelaunch.model.gate import Gate
+from moelaunch.model.mlp import MLP
 
 # Rows per expert up to which the stacked experts run together (the CPU grouped-linear kernel, or one
 # zero-padded batched GEMM) instead of a GEMM per expert: decode-sized groups, where per-call overhead

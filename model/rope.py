@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .config import ModelArgs, yarn_mscale
+from moelaunch.model.config import ModelArgs, yarn_mscale
 
 
 def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> float:

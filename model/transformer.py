@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import MLA, AttnImpl
-from .batch import BatchLayout
-from .config import ModelArgs
-from .kv_cache import PagedLatentCache
-from .linear import Linear
-from .mlp import MLP
-from .moe import MoE
-from .norm import RMSNorm
-from .rope import RotaryEmbedding
+from moelaunch.model.attention import MLA, AttnImpl
+from moelaunch.model.batch import BatchLayout
+from moelaunch.model.config import ModelArgs
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.linear import Linear
+from moelaunch.model.mlp import MLP
+from moelaunch.model.moe import MoE
+from moelaunch.model.norm import RMSNorm
+from moelaunch.model.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):

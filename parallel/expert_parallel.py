@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.config import ModelArgs
-from model.moe import MoE, combine_expert_outputs
-
-from .group import Group
+from moelaunch.model.config import ModelArgs
+from moelaunch.model.moe import MoE, combine_expert_outputs
+from moelaunch.parallel.group import Group
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.linear import Linear
-from model.sharding import ShardSpec
-
-from .group import Group
+from moelaunch.model.linear import Linear
+from moelaunch.model.sharding import ShardSpec
+from moelaunch.parallel.group import Group
 
 
 class ColumnParallelLinear(Linear):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .group import Group, make_group
+from moelaunch.parallel.group import Group, make_group
 
 
 class LayoutError(ValueError):

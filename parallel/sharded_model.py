@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from model.attention import MLA
-from model.config import ModelArgs
-from model.loading import load_model
-from model.mlp import MLP
-from model.transformer import DecoderLayer, Transformer
-
-from .expert_parallel import ExpertParallelMoE, ExpertPlacement
-from .group import Group
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
-from .mesh import LayoutError, ParallelMesh
-from .stages import assign_stages
+from moelaunch.model.attention import MLA
+from moelaunch.model.config import ModelArgs
+from moelaunch.model.loading import load_model
+from moelaunch.model.mlp import MLP
+from moelaunch.model.transformer import DecoderLayer, Transformer
+from moelaunch.parallel.expert_parallel import ExpertParallelMoE, ExpertPlacement
+from moelaunch.parallel.group import Group
+from moelaunch.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from moelaunch.parallel.mesh import LayoutError, ParallelMesh
+from moelaunch.parallel.stages import assign_stages
 
 
 def check_layout(args: ModelArgs, mesh_tp: int, mesh_ep: int, pp: int) -> None:

@@ -3,9 +3,8 @@ their (much larger) expert weights, the embedding on the first stage and the hea
 
 from __future__ import annotations
 
-from model.config import ModelArgs
-
-from .mesh import LayoutError
+from moelaunch.model.config import ModelArgs
+from moelaunch.parallel.mesh import LayoutError
 
 
 def layer_cost(args: ModelArgs, layer_id: int) -> int:

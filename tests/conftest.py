@@ -6,6 +6,10 @@ import pytest
 
 # Triton picks interpreter vs compiled when a kernel is decorated; CPU-only test machines need the former.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Python processes the tests start (`python -m ...` from the repository root) must not put the root on
+# sys.path: its folders would shadow distributions with the same top-level names (Hugging Face's `kernels`,
+# which transformers imports). Installed, they are moelaunch.model, moelaunch.kernels, ...
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +27,7 @@ def one_torch_thread():
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build the CPU C++ kernels once, before any test: a first build takes a minute, and inside a
     multi-rank test it would hold one rank while its peers wait in a collective."""
-    from kernels import cpu_extension
+    from moelaunch.kernels import cpu_extension
 
     if cpu_extension.module() is None:
         pytest.exit("the CPU kernels (kernels/csrc) did not build: see the warning above", returncode=1)

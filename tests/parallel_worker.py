@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from cluster.rendezvous import RankEnv, init_distributed
-from launcher.engine.config import EngineConfig
-from launcher.engine.engine import LLMEngine, run_to_completion
-from launcher.engine.sampling_params import SamplingParams
-from parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.cluster.rendezvous import RankEnv, init_distributed
+from moelaunch.launcher.engine.config import EngineConfig
+from moelaunch.launcher.engine.engine import LLMEngine, run_to_completion
+from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 
 
 def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:

@@ -8,8 +8,8 @@ import torch
 from error_bounds import assert_within, dot_logit_error, softmax_average_error
 from tiny_models import V3_BASE
 
-from model.attention import MLA, PREFILL_QUERY_BLOCK, causal_mask
-from model.config import args_from_hf_config
+from moelaunch.model.attention import MLA, PREFILL_QUERY_BLOCK, causal_mask
+from moelaunch.model.config import args_from_hf_config
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from launcher import LLM, SamplingParams
-from launcher.batch import default_seed
-from launcher.cli import main
+from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.launcher.cli import main
+from moelaunch.launcher.jobs.batch import default_seed
 
 KV = "4000000"
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +105,7 @@ def test_resume_after_sigkill_gives_every_id_once(checkpoint, tmp_path):
     args = ["batch", "--model", checkpoint, "--input", str(inp), "--output", str(out), "--temperature", "0"]
     args += ["--kv-cache-memory", KV, "--max-num-seqs", "2", "--no-progress"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", *args],
+        [sys.executable, "-m", "moelaunch.launcher.cli", *args],
         cwd=REPO,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         stdout=subprocess.DEVNULL,

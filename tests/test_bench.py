@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from launcher.bench.metrics import CaseRun, RequestTiming, summarize
-from launcher.bench.model import BENCH_CONFIG
-from launcher.bench.suite import BenchOptions, build_cases
-from launcher.cli import main
+from moelaunch.launcher.bench.metrics import CaseRun, RequestTiming, summarize
+from moelaunch.launcher.bench.model import BENCH_CONFIG
+from moelaunch.launcher.bench.suite import BenchOptions, build_cases
+from moelaunch.launcher.cli import main
 
 METRICS = {
     "requests", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "total_tok_s", "decode_tok_s",

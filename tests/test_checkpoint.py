@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_models import make_hf_model
 
-from model import CheckpointError, CheckpointReader, load_model
-from model.checkpoint import INDEX_FILE
+from moelaunch.model import CheckpointError, CheckpointReader, load_model
+from moelaunch.model.checkpoint import INDEX_FILE
 
 
 @pytest.fixture(scope="module")

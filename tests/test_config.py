@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from model.config import ConfigError, args_from_hf_config, load_args
+from moelaunch.model.config import ConfigError, args_from_hf_config, load_args
 
 BASE = dict(
     vocab_size=100,
@@ -89,7 +89,7 @@ def test_published_parameter_counts_on_meta_device():
     """Shapes built from the published configs give the published sizes (671B main model, 236B, 16B)."""
     import torch
 
-    from model import Transformer
+    from moelaunch.model import Transformer
 
     for name, billions in [
         ("deepseek-v3-671b", 671.0),

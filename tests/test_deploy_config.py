@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.deploy_config import (
+from moelaunch.launcher.deploy.config import (
     DEFAULT_CONFIG,
     BatchJob,
     ChatJob,

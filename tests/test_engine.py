@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from launcher import LLM, SamplingParams
-from model import load_model
-from model.generate import generate
+from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.model import load_model
+from moelaunch.model.single_sequence import generate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[0, 5, 6, 7, 8, 9], [0] + [3] * 11, [0, 9, 10], [0, 5, 6, 7, 8, 9, 11, 12], [0, 44] * 9]

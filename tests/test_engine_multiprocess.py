@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
-from launcher import LLM, SamplingParams
+from moelaunch.launcher import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from tiny_models import make_hf_model
 
-from launcher.cli import main as launch
-from model import CheckpointReader, load_model
+from moelaunch.launcher.cli import main as launch
+from moelaunch.model import CheckpointReader, load_model
 
 IDS = torch.randint(2, 320, (2, 24), generator=torch.Generator().manual_seed(5))
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from launcher import LLM, SamplingParams
+from moelaunch.launcher import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def deployment(tmp_path, checkpoint, job: str) -> str:
 
 
 def launch(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "launcher.cli", *args]
+    cmd = [sys.executable, "-m", "moelaunch.launcher.cli", *args]
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=180)
 
 

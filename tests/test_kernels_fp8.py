@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kernels
-from kernels import dispatch
-from kernels import fp8_reference as ref
-from kernels.fp8_reference import BLOCK_SIZE, FP8_DTYPE, FP8_MAX
+from moelaunch import kernels
+from moelaunch.kernels import dispatch
+from moelaunch.kernels import fp8_reference as ref
+from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_DTYPE, FP8_MAX
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -23,7 +23,7 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tri() -> ModuleType:
-    from kernels import fp8_triton
+    from moelaunch.kernels import fp8_triton
 
     return fp8_triton
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from error_bounds import gamma
 
-import kernels
-from kernels import cpu_extension
-from kernels import fused_reference as ref
+from moelaunch import kernels
+from moelaunch.kernels import cpu_extension
+from moelaunch.kernels import fused_reference as ref
 
 pytestmark = pytest.mark.skipif(cpu_extension.module() is None, reason="the CPU kernels did not build")
 ext = cpu_extension.module()

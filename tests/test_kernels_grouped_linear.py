@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from error_bounds import assert_within, matmul_error
 
-import kernels
-from kernels import grouped_linear_cpu
-from kernels.dispatch import LINEAR_KERNEL_MAX_ROWS
+from moelaunch import kernels
+from moelaunch.kernels import grouped_linear_cpu
+from moelaunch.kernels.dispatch import LINEAR_KERNEL_MAX_ROWS
 
 
 def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

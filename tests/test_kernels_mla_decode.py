@@ -17,9 +17,9 @@ import torch
 from error_bounds import assert_within, dot_logit_error, matmul_error, softmax_average_error
 from torch import Tensor
 
-import kernels
-from kernels import mla_decode_cpu as cpu
-from kernels import mla_decode_reference as ref
+from moelaunch import kernels
+from moelaunch.kernels import mla_decode_cpu as cpu
+from moelaunch.kernels import mla_decode_reference as ref
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -29,7 +29,7 @@ needs_interpreter = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def tri() -> ModuleType:
-    from kernels import mla_decode_triton
+    from moelaunch.kernels import mla_decode_triton
 
     return mla_decode_triton
 
@@ -143,7 +143,7 @@ def _large_logits_batch() -> PagedBatch:
 
 
 def tri_module_file() -> str:
-    from kernels import mla_decode_triton
+    from moelaunch.kernels import mla_decode_triton
 
     return mla_decode_triton.__file__
 

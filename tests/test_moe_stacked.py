@@ -8,8 +8,8 @@ import torch
 from error_bounds import gamma
 from tiny_models import V3_BASE
 
-from model.config import args_from_hf_config
-from model.moe import STACKED_MAX_ROWS, MoE
+from moelaunch.model.config import args_from_hf_config
+from moelaunch.model.moe import STACKED_MAX_ROWS, MoE
 
 
 def _random_moe(seed: int) -> MoE:

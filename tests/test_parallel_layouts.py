@@ -12,9 +12,9 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from launcher import LLM, SamplingParams
-from model import CheckpointReader, load_model
-from model.generate import generate
+from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.model import CheckpointReader, load_model
+from moelaunch.model.single_sequence import generate
 
 pytestmark = pytest.mark.slow
 

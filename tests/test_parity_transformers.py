@@ -7,8 +7,8 @@ import pytest
 import torch
 from tiny_models import YARN, make_hf_model
 
-from model import load_model
-from model.generate import generate
+from moelaunch.model import load_model
+from moelaunch.model.single_sequence import generate
 
 VARIANTS = {
     # name: (family, config overrides)

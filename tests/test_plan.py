@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from launcher.cli import main
-from launcher.deploy_config import DeployConfigError, load_deploy_config
-from launcher.plan import build_plan
-from parallel.mesh import LayoutError
+from moelaunch.launcher.cli import main
+from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config
+from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.parallel.mesh import LayoutError
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "configs" / "examples" / "deepseek-v3-2x8-h200.yaml"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from tiny_models import make_hf_model
 
-from model import load_model
-from model.batch import BatchLayout, SeqSpan
+from moelaunch.model import load_model
+from moelaunch.model.batch import BatchLayout, SeqSpan
 
 
 def test_flat_batch_of_prefills_and_decodes_equals_separate_runs(tmp_path):

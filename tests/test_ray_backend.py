@@ -22,12 +22,12 @@ from tiny_models import add_byte_tokenizer, make_hf_model
 
 pytest.importorskip("ray")
 
-from cluster.errors import ClusterError  # noqa: E402
-from cluster.ray_checks import NodeFacts, capacity_report, check_nodes  # noqa: E402
-from cluster.ray_session import RaySession  # noqa: E402
-from launcher import LLM, SamplingParams  # noqa: E402
-from launcher.deploy_config import DeployConfigError, load_deploy_config  # noqa: E402
-from launcher.ray_client import RayLLM  # noqa: E402
+from moelaunch.cluster.errors import ClusterError  # noqa: E402
+from moelaunch.cluster.ray.checks import NodeFacts, capacity_report, check_nodes  # noqa: E402
+from moelaunch.cluster.ray.session import RaySession  # noqa: E402
+from moelaunch.launcher import LLM, SamplingParams  # noqa: E402
+from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config  # noqa: E402
+from moelaunch.launcher.ray_client import RayLLM  # noqa: E402
 
 needs_private_net = pytest.mark.skipif(
     not isolated_network(), reason="Ray tests run inside a network namespace with only lo (see .ci/run)"
@@ -105,7 +105,7 @@ def launch(
     config: Path, *args: str, netns: str | None = None, timeout_s: float = 180, **env: str
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*netns_prefix(netns), sys.executable, "-m", "launcher.cli", str(config), *args],
+        [*netns_prefix(netns), sys.executable, "-m", "moelaunch.launcher.cli", str(config), *args],
         cwd=REPO,
         env=node_env(**env),
         capture_output=True,
@@ -220,7 +220,7 @@ def test_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, checkpoint, loop
     out = tmp_path / "results.jsonl"
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launcher.cli", str(config)],
+        [sys.executable, "-m", "moelaunch.launcher.cli", str(config)],
         cwd=REPO,
         env=node_env(),
         stdout=subprocess.DEVNULL,

@@ -16,7 +16,7 @@ from ray_nodes import node_env
 from slurm_cluster import missing_slurm, slurm_cluster
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from launcher.cli import main
+from moelaunch.launcher.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,10 @@ def test_cpu_script_asks_for_slots_and_runs_the_file_on_ray(tmp_path, capsys):
         assert want in directives
     assert not any(d.startswith("--gpus-per-node") for d in directives)
     assert 'symmetric-run --min-nodes 2 --num-cpus=2 --address "$address" --' in script
-    assert f"-m launcher.cli {config.resolve()} --set job.max_tokens=16 --set cluster.backend=ray" in script
+    assert (
+        f"-m moelaunch.launcher.cli {config.resolve()} --set job.max_tokens=16 --set cluster.backend=ray"
+        in script
+    )
     assert '--set cluster.address="$address"' in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid bash
 
@@ -115,7 +118,7 @@ def checkpoint(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def reference(checkpoint) -> dict[str, list[int]]:
     """Greedy token ids from one process: what the two-node job must reproduce."""
-    from launcher import LLM, SamplingParams
+    from moelaunch.launcher import LLM, SamplingParams
 
     with LLM(checkpoint, max_model_len=128) as llm:
         outs = llm.generate(list(PROMPTS.values()), SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
@@ -183,7 +186,7 @@ def assert_results(path: Path, reference: dict[str, list[int]], output: str) -> 
 @pytest.mark.slow
 def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm, checkpoint, reference):
     config = batch_deployment(tmp_path, checkpoint)
-    cmd = [sys.executable, "-m", "launcher.cli", "slurm", str(config)]
+    cmd = [sys.executable, "-m", "moelaunch.launcher.cli", "slurm", str(config)]
     done = slurm.client(cmd, env=job_env(slurm), timeout_s=60, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     job_id = re.search(r"submitted Slurm job (\d+)", done.stdout).group(1)
@@ -195,7 +198,7 @@ def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm, checkpoint, ref
 def test_launch_slurm_here_uses_the_allocation_it_runs_in(tmp_path, slurm, checkpoint, reference):
     # An allocation made by hand (as salloc or a user's own script would); the launcher runs inside it.
     config = batch_deployment(tmp_path, checkpoint)
-    launch = f"{sys.executable} -m launcher.cli slurm {config} --here"
+    launch = f"{sys.executable} -m moelaunch.launcher.cli slurm {config} --here"
     out_file = tmp_path / "allocation.out"
     sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
     sbatch += [f"--output={out_file}", "--time=00:05:00", f"--wrap={launch}"]

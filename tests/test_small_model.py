@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from launcher.cli import main as cli_main
-from launcher.task_model import DEFAULT_CHECKPOINT, TaskModel
-from launcher.tasks import held_out, held_out_sample, is_correct, training_stream
-from launcher.train_small.__main__ import main as train_main
-from model import load_model
+from moelaunch.launcher.bundled.task_model import DEFAULT_CHECKPOINT, TaskModel
+from moelaunch.launcher.bundled.tasks import held_out, held_out_sample, is_correct, training_stream
+from moelaunch.launcher.bundled.train_small.__main__ import main as train_main
+from moelaunch.launcher.cli import main as cli_main
+from moelaunch.model import load_model
 
 CKPT = DEFAULT_CHECKPOINT
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
-from launcher import LLM, SamplingParams
-from launcher.engine.sampler import sample_sequence
-from launcher.engine.sequence import Sequence
-from model import load_model
-from model.generate import generate
+from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.launcher.engine.sampler import sample_sequence
+from moelaunch.launcher.engine.sequence import Sequence
+from moelaunch.model import load_model
+from moelaunch.model.single_sequence import generate
 
 PROMPTS = [[0, 5, 6, 7, 8, 9], [0] + [3] * 11, [0, 9, 10], [0, 5, 6, 7, 8, 9, 11, 12]]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

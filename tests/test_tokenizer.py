@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from tiny_models import make_hf_model
 
-from model import load_model
-from model.generate import generate
-from model.tokenizer import Tokenizer
+from moelaunch.model import load_model
+from moelaunch.model.single_sequence import generate
+from moelaunch.model.tokenizer import Tokenizer
 
 CHAT = [
     {"role": "system", "content": "Answer briefly."},

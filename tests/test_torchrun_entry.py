@@ -1,4 +1,4 @@
-"""`launcher.generate` as users start it: under torchrun on two loopback "nodes" with a c10d
+"""`moelaunch.launcher.generate` as users start it: under torchrun on two loopback "nodes" with a c10d
 rendezvous, and as an interactive chat driven through a pseudo-terminal."""
 
 from __future__ import annotations
@@ -33,7 +33,16 @@ def generate_cmd(checkpoint: str, out, extra: list[str]) -> list[str]:
         "--output-file",
         str(out),
     ]
-    return ["-m", "launcher.generate", *args, "--max-new-tokens", "12", "--temperature", "0.7", *extra]
+    return [
+        "-m",
+        "moelaunch.launcher.generate",
+        *args,
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.7",
+        *extra,
+    ]
 
 
 def test_two_torchrun_nodes_with_c10d_rendezvous_match_one_process(checkpoint, tmp_path):
@@ -63,7 +72,7 @@ def test_two_torchrun_nodes_with_c10d_rendezvous_match_one_process(checkpoint, t
 
 
 def one_process_reply(checkpoint: str, question: str) -> str:
-    from launcher import LLM, SamplingParams
+    from moelaunch.launcher import LLM, SamplingParams
 
     with LLM(checkpoint, kv_cache_memory=1_000_000) as llm:
         out = llm.chat([{"role": "user", "content": question}], SamplingParams(temperature=0, max_tokens=10))
@@ -79,7 +88,7 @@ def test_interactive_chat_across_two_ranks(checkpoint):
         "--master-port",
         "29657",
         "-m",
-        "launcher.generate",
+        "moelaunch.launcher.generate",
         "--ckpt-path",
         checkpoint,
     ]

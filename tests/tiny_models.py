@@ -57,7 +57,7 @@ def make_hf_model(path: Path, family: str = "v3", seed: int = 0, **overrides: An
 
 
 def add_byte_tokenizer(path: Path) -> Path:
-    from model.byte_tokenizer import write_byte_tokenizer
+    from moelaunch.model.byte_tokenizer import write_byte_tokenizer
 
     return write_byte_tokenizer(Path(path))
 
@@ -67,7 +67,7 @@ def add_mtp_layer(path: Path) -> Path:
     eh_proj passing the hidden state through. Untrained, it drafts poorly, which tests the rejections."""
     from safetensors.torch import load_file, save_file
 
-    from model import load_args
+    from moelaunch.model import load_args
 
     args = load_args(path)
     tensors = load_file(path / "model.safetensors")

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
-from .workloads import BenchRequest, Case
+from moelaunch.launcher.bench.metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
+from moelaunch.launcher.bench.workloads import BenchRequest, Case
 
 
 def load_hf_model(model_dir: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from model.byte_tokenizer import write_byte_tokenizer
+from moelaunch.model.byte_tokenizer import write_byte_tokenizer
 
 BENCH_CONFIG: dict[str, Any] = dict(
     vocab_size=4096,

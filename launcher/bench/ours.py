@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from ..engine.sampling_params import SamplingParams
-from ..llm import LLM
-from .metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
-from .workloads import Case
+from moelaunch.launcher.api import LLM
+from moelaunch.launcher.bench.metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
+from moelaunch.launcher.bench.workloads import Case
+from moelaunch.launcher.engine.sampling_params import SamplingParams
 
 
 def run_case(llm: LLM, case: Case) -> CaseRun:

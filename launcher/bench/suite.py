@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from ..llm import LLM
-from . import hf_peer, ours
-from .metrics import CaseRun, summarize
-from .report import OURS, Results, ratios
-from .vllm_peer import PeerFailed, run_vllm
-from .workloads import Case, latency_cases, throughput_case, warmup_case
+from moelaunch.launcher.api import LLM
+from moelaunch.launcher.bench import hf_peer, ours
+from moelaunch.launcher.bench.metrics import CaseRun, summarize
+from moelaunch.launcher.bench.report import OURS, Results, ratios
+from moelaunch.launcher.bench.vllm_peer import PeerFailed, run_vllm
+from moelaunch.launcher.bench.workloads import Case, latency_cases, throughput_case, warmup_case
 
 CaseResults = dict[str, dict[str, Any]]  # case name -> metrics
 

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .metrics import CaseRun, RequestTiming
-from .workloads import Case
+from moelaunch.launcher.bench.metrics import CaseRun, RequestTiming
+from moelaunch.launcher.bench.workloads import Case
 
 SCRIPT = Path(__file__).with_name("vllm_script.py")
 

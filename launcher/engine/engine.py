@@ -15,20 +15,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from model.kv_cache import PagedLatentCache
-from model.tokenizer import Tokenizer
-from parallel.expert_parallel import ExpertPlacement
-from parallel.mesh import ParallelMesh
-from parallel.sharded_model import load_shard
-
-from .block_manager import BlockManager
-from .config import EngineConfig
-from .memory import available_bytes, num_blocks_for
-from .model_runner import ModelRunner, StepResult
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from .sequence import Sequence
+from moelaunch.launcher.engine.block_manager import BlockManager
+from moelaunch.launcher.engine.config import EngineConfig
+from moelaunch.launcher.engine.memory import available_bytes, num_blocks_for
+from moelaunch.launcher.engine.model_runner import ModelRunner, StepResult
+from moelaunch.launcher.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.launcher.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from moelaunch.launcher.engine.sequence import Sequence
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.tokenizer import Tokenizer
+from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.parallel.mesh import ParallelMesh
+from moelaunch.parallel.sharded_model import load_shard
 
 
 @dataclass(frozen=True)

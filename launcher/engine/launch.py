@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-import kernels
-from cluster.rendezvous import RankEnv, init_distributed
-from parallel.mesh import MeshShape, ParallelMesh
-
-from .config import EngineConfig
-from .engine import LLMEngine
+from moelaunch import kernels
+from moelaunch.cluster.rendezvous import RankEnv, init_distributed
+from moelaunch.launcher.engine.config import EngineConfig
+from moelaunch.launcher.engine.engine import LLMEngine
+from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
 

@@ -14,13 +14,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from model.batch import BatchLayout, SeqSpan
-from model.kv_cache import PagedLatentCache
-from model.transformer import Transformer
-from parallel.mesh import ParallelMesh
-
-from .sampler import SampledToken, sample_batch
-from .scheduler import ScheduledChunk
+from moelaunch.launcher.engine.sampler import SampledToken, sample_batch
+from moelaunch.launcher.engine.scheduler import ScheduledChunk
+from moelaunch.model.batch import BatchLayout, SeqSpan
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.transformer import Transformer
+from moelaunch.parallel.mesh import ParallelMesh
 
 MAX_DRAFT = 1  # MTP depth 1: one guessed token per step
 

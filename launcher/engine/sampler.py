@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sequence import Sequence
+from moelaunch.launcher.engine.sequence import Sequence
 
 
 @dataclass

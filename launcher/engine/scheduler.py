@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .block_manager import BlockManager
-from .sequence import SeqStatus, Sequence
+from moelaunch.launcher.engine.block_manager import BlockManager
+from moelaunch.launcher.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import SamplingParams
+from moelaunch.launcher.engine.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):

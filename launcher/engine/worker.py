@@ -1,4 +1,4 @@
-"""A non-zero rank of a multi-process engine: `python -m launcher.engine.worker SPEC_JSON`, started
+"""A non-zero rank of a multi-process engine: `python -m moelaunch.launcher.engine.worker SPEC_JSON`, started
 with the torchrun env contract; builds the same engine as rank 0 and follows its commands."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import torch.distributed as dist
 
-from .launch import EngineSpec, build_engine
+from moelaunch.launcher.engine.launch import EngineSpec, build_engine
 
 
 def main(spec_json: str) -> int:

@@ -1,0 +1,126 @@
+"""The offline Python API, in the vLLM style:
+
+    from moelaunch.launcher import LLM, SamplingParams
+    llm = LLM(model="path/to/checkpoint", tp=2)
+    outputs = llm.generate(["What is 2+2?"], SamplingParams(temperature=0, max_tokens=32))
+
+With tp*dp*pp > 1 the calling process is rank 0 and the other ranks are started on this machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from moelaunch.cluster.local import free_port, spawn_workers, stop_workers
+from moelaunch.cluster.rendezvous import RankEnv
+from moelaunch.launcher.engine.config import EngineConfig
+from moelaunch.launcher.engine.engine import run_to_completion
+from moelaunch.launcher.engine.launch import EngineSpec, build_engine
+from moelaunch.launcher.engine.outputs import RequestOutput
+from moelaunch.launcher.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        tp: int = 1,
+        dp: int = 1,
+        pp: int = 1,
+        dtype: str = "auto",
+        fp8: str = "auto",
+        **engine_options: Any,
+    ) -> None:
+        """engine_options: any EngineConfig field (max_model_len, kv_cache_memory, kv_cache_fraction,
+        block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, speculative...)."""
+        unknown = set(engine_options) - {f for f in EngineConfig.__dataclass_fields__}
+        if unknown:
+            raise ValueError(f"unknown LLM option(s) {', '.join(sorted(unknown))}: see EngineConfig")
+        self._start(EngineSpec(str(model), tp, dp, pp, dtype, fp8, EngineConfig(**engine_options)), {})
+
+    @classmethod
+    def from_spec(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> LLM:
+        """An LLM from a full spec (what `launch CONFIG.yaml` builds); env goes to worker processes."""
+        llm = cls.__new__(cls)
+        llm._start(spec, env or {})
+        return llm
+
+    def _start(self, spec: EngineSpec, env: dict[str, str]) -> None:
+        self.spec = spec
+        self._workers = []
+        rank_env = None
+        if spec.world > 1:
+            port = free_port()
+            self._workers = spawn_workers(
+                spec.world, "moelaunch.launcher.engine.worker", [spec.to_json()], port, env
+            )
+            rank_env = RankEnv(0, 0, spec.world, spec.world, "127.0.0.1", port)
+        self.engine = build_engine(spec, rank_env)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        if prompt and isinstance(prompt[0], dict):
+            return self.tokenizer.encode_chat(list(prompt)), None
+        if all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            token_ids, text = self._encode(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, token_ids, p, text)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to one conversation (or several) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate(conversations, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+            done = run_to_completion(self.engine, lambda out: bar.update(int(out.finished)))
+        return [done[r] for r in request_ids]
+
+    def shutdown(self) -> None:
+        if self._workers:
+            self.engine.shutdown()
+            stop_workers(self._workers)
+            self._workers = []
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,1 @@
+"""The bundled small model's task family: its problems, how it is asked them, its training and scoring."""

@@ -1,0 +1,35 @@
+"""Train and write the shipped small model.
+
+`python -m moelaunch.launcher.bundled.train_small --out checkpoints/small`
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from moelaunch.launcher.bundled.train_small.train import TrainConfig, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = TrainConfig(out=Path("checkpoints/small"))
+    p = argparse.ArgumentParser(prog="python -m moelaunch.launcher.bundled.train_small", description=__doc__)
+    p.add_argument("--out", type=Path, default=defaults.out, help="checkpoint directory to write")
+    p.add_argument("--steps", type=int, default=defaults.steps)
+    p.add_argument("--batch", type=int, default=defaults.batch, help="problems per step")
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--tiny", action="store_true", help="a toy-sized model, for a smoke run")
+    # One thread: results depend on the thread count, and on a shared 2-core machine a second thread
+    # spends its time waiting at barriers.
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    train(TrainConfig(out=a.out, steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, tiny=a.tiny))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""The task family's tokenizer: DeepSeek-V3's special tokens and chat template over a tiny vocabulary.
+
+Instruction words are whole tokens; everything else (digits, letters, punctuation) is one character a
+token, which is what lets a small model do digit-wise arithmetic and letter-wise word games.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from moelaunch.launcher.bundled.tasks import WORDS
+
+BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
+USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
+UNK = "<unk>"
+# Ids 0 and 1 are bos and eos, as in DeepSeek-V3.
+SPECIAL = (BOS, EOS, PAD, USER, ASSISTANT)
+BOS_ID, EOS_ID, PAD_ID = (SPECIAL.index(t) for t in (BOS, EOS, PAD))
+CHARS = " " + string.digits + string.ascii_lowercase + string.ascii_uppercase + "+-*/=?.,:;!'\"()"
+
+# DeepSeek-V3's template shape: bos, system text, then <｜User｜>/<｜Assistant｜> turns, each
+# assistant turn closed by eos.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ '" + ASSISTANT + "' + message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('unknown role ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '" + ASSISTANT + "' }}{% endif %}"
+)
+
+
+def build_tokenizer() -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL, UNK, *WORDS, *CHARS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    # A word token only where the whole word stands alone, so "this" stays t-h-i-s.
+    words = "|".join(WORDS)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf"\b(?:{words})\b|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL))
+    return tok
+
+
+def tokenizer_config() -> dict[str, Any]:
+    """tokenizer_config.json in the layout of DeepSeek-V3's."""
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": UNK,
+        "model_max_length": 512,
+        "clean_up_tokenization_spaces": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def save_tokenizer(tok: Tokenizer, out: Path) -> None:
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(tokenizer_config(), indent=2, ensure_ascii=False) + "\n"
+    )

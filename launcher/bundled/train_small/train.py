@@ -1,0 +1,141 @@
+"""Train the small DeepSeek-V3 on the task family: next-token loss on the answers, the MTP layer's
+next-next-token loss alongside, and DeepSeek-V3's auxiliary-loss-free expert balancing."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelaunch.launcher.bundled.expert_load import ExpertLoad
+from moelaunch.launcher.bundled.tasks import training_stream
+from moelaunch.launcher.bundled.train_small.data import Batch, batches
+from moelaunch.launcher.bundled.train_small.export import save_checkpoint
+from moelaunch.launcher.bundled.train_small.model_config import hf_config
+from moelaunch.launcher.bundled.train_small.tokenizer import build_tokenizer, tokenizer_config
+from moelaunch.model.config import args_from_hf_config
+from moelaunch.model.gate import Gate
+from moelaunch.model.linear import Linear
+from moelaunch.model.norm import RMSNorm
+from moelaunch.model.tokenizer import Tokenizer
+from moelaunch.model.transformer import Transformer
+
+
+@dataclass
+class TrainConfig:
+    out: Path
+    steps: int = 3000
+    batch: int = 128
+    lr: float = 2e-3
+    warmup: int = 100
+    mtp_weight: float = 0.3
+    bias_step: float = 1e-3  # gamma of the balancing update
+    seed: int = 0
+    tiny: bool = False
+    log_every: int = 100
+    save_every: int = 1000  # also write the checkpoint mid-run, to inspect a long run early
+
+
+def init_weights(model: Transformer, std: float = 0.02) -> None:
+    """The model is built with empty tensors (a loader fills them); training starts from these.
+
+    Linears start at std fan_in^-0.5: at 0.02 a model this narrow computes near-uniform attention and
+    sits for thousands of steps before it learns to look anywhere. Projections into the residual stream
+    start small instead (0.02 / sqrt(2 * layers), as GPT-2), so the stream does not grow with depth.
+    """
+    residual_std = std / math.sqrt(2 * (model.args.num_hidden_layers + len(model.mtp)))
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            is_residual = name.endswith(("o_proj", "down_proj"))
+            nn.init.normal_(module.weight, 0.0, residual_std if is_residual else module.in_features**-0.5)
+        elif isinstance(module, (nn.Embedding, Gate)):
+            nn.init.normal_(module.weight, 0.0, std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        if isinstance(module, Gate):
+            module.e_score_correction_bias.zero_()
+
+
+def losses(model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(main loss, MTP loss, [B] whether the main model predicts the row's whole answer)."""
+    hidden = model.hidden_states(batch.ids)
+    logits = model.lm_head(hidden).float()
+    target = batch.answer[:, 1:]
+    main = F.cross_entropy(logits[:, :-1][target], batch.ids[:, 1:][target])
+    right = (logits[:, :-1].argmax(-1) == batch.ids[:, 1:]) | ~target
+    # The MTP at i sees the main model's hidden at i and token i+1 and predicts token i+2; it is scored
+    # where a speculative decoder would use it: i+1 already an answer token.
+    mtp_logits = model.mtp_logits(hidden[:, :-1], batch.ids[:, 1:])[:, :-1]
+    mtp_target = batch.answer[:, 2:] & batch.answer[:, 1:-1]
+    mtp = F.cross_entropy(mtp_logits[mtp_target], batch.ids[:, 2:][mtp_target])
+    return main, mtp, right.all(dim=1)
+
+
+@torch.no_grad()
+def balance_experts(model: Transformer, load: ExpertLoad, step: float) -> None:
+    """Aux-loss-free balancing: raise the routing bias of under-loaded experts, lower the over-loaded."""
+    for name, gate in load.gates.items():
+        counts = load.counts[name].float()
+        gate.e_score_correction_bias += step * torch.sign(counts.mean() - counts)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup, then cosine decay to a tenth."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(cfg: TrainConfig) -> Transformer:
+    torch.manual_seed(cfg.seed)
+    hf_tok = build_tokenizer()
+    tok = Tokenizer(hf_tok, tokenizer_config())
+    config = hf_config(tok.vocab_size, tiny=cfg.tiny)
+    model = Transformer(args_from_hf_config(config), with_mtp=True)
+    init_weights(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters; {cfg.steps} steps of {cfg.batch} problems", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    data = batches(tok, training_stream(cfg.seed), cfg.batch)
+    load = ExpertLoad(model)
+    start = time.time()
+    solved: Counter[str] = Counter()
+    seen: Counter[str] = Counter()
+    with load:
+        for step in range(cfg.steps):
+            batch = next(data)
+            load.reset()
+            load.valid = batch.valid
+            main, mtp, exact = losses(model, batch)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            opt.zero_grad(set_to_none=True)
+            (main + cfg.mtp_weight * mtp).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            balance_experts(model, load, cfg.bias_step)
+            seen.update(batch.kinds)
+            solved.update(k for k, ok in zip(batch.kinds, exact.tolist(), strict=True) if ok)
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                worst = max(load.imbalance().values())
+                # Teacher-forced exact match per kind since the last line: a cheap view of progress.
+                per_kind = " ".join(f"{k} {solved[k] / seen[k]:.2f}" for k in sorted(seen))
+                print(
+                    f"step {step} loss {main.item():.4f} mtp {mtp.item():.4f} max/mean load {worst:.2f} "
+                    f"lr {lr_at(step, cfg):.2e} {time.time() - start:.0f}s | {per_kind}",
+                    flush=True,
+                )
+                solved.clear()
+                seen.clear()
+            if (step + 1) % cfg.save_every == 0:
+                save_checkpoint(model, config, hf_tok, cfg.out)
+    save_checkpoint(model, config, hf_tok, cfg.out)
+    print(f"wrote {cfg.out} after {time.time() - start:.0f}s", flush=True)
+    return model

@@ -1,0 +1,1 @@
+"""The `launch` subcommands, one module each: batch, bench, convert, eval, plan, slurm."""

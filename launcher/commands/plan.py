@@ -1,0 +1,269 @@
+"""`launch plan [CONFIG.yaml] [--set key.path=value ...] [--json]`: print where every rank runs, its
+groups, layers, experts and memory, with the memory arithmetic spelled out; starts nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+from moelaunch.launcher.deploy.config import DEFAULT_CONFIG, load_deploy_config
+from moelaunch.launcher.deploy.plan import (
+    ACTIVATION_BUFFERS,
+    GB,
+    MB,
+    LaunchPlan,
+    RankPlan,
+    Tensor,
+    WeightPart,
+    build_plan,
+    size_text,
+)
+from moelaunch.parallel.mesh import LayoutError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="print a deployment's ranks, groups, experts, layers and memory per device; starts nothing",
+    )
+    p.add_argument(
+        "config", nargs="?", default=str(DEFAULT_CONFIG), help="cluster YAML (default: %(default)s)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a key",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = build_plan(load_deploy_config(args.config, args.overrides))
+    print(json.dumps(plan_json(plan)) if args.json else format_plan(plan))
+    if not plan.fits:
+        raise LayoutError(plan.verdict())
+    return 0
+
+
+def format_plan(plan: LaunchPlan) -> str:
+    return "\n\n".join([_summary(plan), _rank_table(plan), _stages_and_groups(plan), _memory_by_hand(plan)])
+
+
+def _summary(plan: LaunchPlan) -> str:
+    cfg, a, m = plan.config, plan.args, plan.mesh
+    c, e = cfg.cluster, cfg.engine
+    n_moe = sum(a.is_moe_layer(i) for i in range(a.num_hidden_layers))
+    experts = (
+        f"; routed experts per EP rank = {a.n_routed_experts}/{m.ep} = {a.n_routed_experts // m.ep}"
+        if a.n_routed_experts and cfg.parallel.expert_placement is None
+        else ""
+    )
+    job = ", ".join(f"{k} {v}" for k, v in cfg.job.model_dump().items() if k != "mode")
+    lines = [
+        f"Launch plan for {cfg.source} (nothing started)",
+        f"  model    {cfg.model}",
+        f"           {a.num_hidden_layers} layers ({a.num_hidden_layers - n_moe} dense, {n_moe} MoE), "
+        f"{a.num_attention_heads} heads, hidden {a.hidden_size}, {a.n_routed_experts} routed + "
+        f"{a.n_shared_experts} shared experts, vocab {a.vocab_size}",
+        f"  dtype    {plan.dtype}{' (from auto)' if cfg.dtype == 'auto' else ''}: {_dtype_note(plan)}",
+        f"  cluster  {c.backend}: {c.nodes} node(s) x {c.devices_per_node} {plan.device} device(s) of "
+        f"{size_text(plan.device_bytes)} ({size_text(plan.usable_bytes)} usable at memory_fraction "
+        f"{c.memory_fraction})",
+        f"  layout   tp {m.tp} x dp {m.dp} x pp {m.pp} = {m.world} ranks; ep = dp*tp = {m.ep}{experts}",
+        f"  engine   max_model_len {plan.max_model_len}, max_num_seqs {e.max_num_seqs} per DP replica, "
+        f"max_num_batched_tokens {e.max_num_batched_tokens}",
+        f"  job      {cfg.job.mode}: {job}",
+        f"  verdict  {plan.verdict() if plan.fits else 'DOES NOT FIT (see the end)'}",
+    ]
+    return "\n".join(lines)
+
+
+def _dtype_note(plan: LaunchPlan) -> str:
+    if plan.dtype == "fp8":
+        b = plan.block
+        return (
+            f"projections 1 B/param + one fp32 scale (4 B) per {b[0]}x{b[1]} block; embedding, lm_head, "
+            "norms, gate 2 B; KV cache and activations 2 B"
+        )
+    if plan.dtype == "bfloat16":
+        return "weights, KV cache and activations 2 B per value (router bias 4 B)"
+    return "weights, KV cache and activations 4 B per value"
+
+
+def _unit(plan: LaunchPlan) -> tuple[int, str]:
+    """GB for real models, MB when every rank needs less than 1 GB."""
+    return (GB, "GB") if plan.heaviest.total_bytes >= GB else (MB, "MB")
+
+
+def _rank_table(plan: LaunchPlan) -> str:
+    unit, unit_name = _unit(plan)
+    head = (
+        "rank",
+        "node",
+        "device",
+        "pp",
+        "dp",
+        "tp",
+        "ep",
+        "layers",
+        "experts",
+        "weights",
+        "KV",
+        "act",
+        "total",
+    )
+    rows = [
+        (
+            r.rank,
+            r.node,
+            r.local_device,
+            r.pp,
+            r.dp,
+            r.tp,
+            r.ep,
+            _ranges(r.layers),
+            _ranges(r.experts) or "-",
+            f"{r.weight_bytes / unit:.2f}",
+            f"{r.kv_cache_bytes / unit:.2f}",
+            f"{r.activation_bytes / unit:.2f}",
+            f"{r.total_bytes / unit:.2f}",
+        )
+        for r in plan.ranks
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+    lines = [f"Ranks (memory in {unit_name}; 1 GB = 1e9 B, 1 MB = 1e6 B)"]
+    for row in (head, *rows):
+        lines.append("  " + "  ".join(str(x).rjust(w) for x, w in zip(row, widths, strict=True)))
+    return "\n".join(lines)
+
+
+def _stages_and_groups(plan: LaunchPlan) -> str:
+    a = plan.args
+    lines = ["Stages"]
+    for i, layers in enumerate(plan.stages):
+        n_moe = sum(a.is_moe_layer(j) for j in layers)
+        extra = (" + embedding" if i == 0 else "") + (
+            " + final norm, lm_head" if i == len(plan.stages) - 1 else ""
+        )
+        lines.append(
+            f"  stage {i}: layers {_ranges(layers)} ({len(layers)} layers: {len(layers) - n_moe} dense, "
+            f"{n_moe} MoE){extra}"
+        )
+    groups = plan.groups()
+    lines += [
+        "",
+        "Groups",
+        f"  TP (heads, dense MLP, shared experts, vocab):  {_group_list(groups['tp'])}",
+        f"  DP replicas (own requests and KV cache):       {_group_list(groups['dp_replica'])}",
+        f"  EP, one per stage (routed experts, all-to-all): {_group_list(groups['ep'])}",
+        f"  PP (hidden states between stages):             "
+        f"{_group_list(groups['pp']) if plan.mesh.pp > 1 else 'none (pp 1)'}",
+    ]
+    return "\n".join(lines)
+
+
+def _memory_by_hand(plan: LaunchPlan) -> str:
+    r = plan.heaviest
+    lines = [f"Memory of rank {r.rank} (the heaviest), by hand"]
+    for part in r.weight_parts:
+        unit = part.unit_bytes(plan.dtype, plan.block)
+        lines.append(
+            f"  {part.name}: {part.count_note} = {part.count} x {unit:,} B = "
+            f"{part.nbytes(plan.dtype, plan.block):,} B"
+        )
+        lines += [f"      {_tensor_line(t, plan)}" for t in part.tensors]
+    a, e, v = plan.args, plan.config.engine, plan.value_bytes
+    fraction = plan.config.cluster.memory_fraction
+    unit, unit_name = _unit(plan)
+    lines += [
+        f"  weights total: {r.weight_bytes:,} B = {size_text(r.weight_bytes)}",
+        f"  KV cache: (kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim}) x {v} B x "
+        f"{len(r.layers)} layers x {plan.max_model_len} tokens x {e.max_num_seqs} sequences = "
+        f"{r.kv_cache_bytes:,} B = {size_text(r.kv_cache_bytes)}",
+        f"  activations: max_num_batched_tokens {e.max_num_batched_tokens} x hidden {a.hidden_size} x "
+        f"{v} B x {ACTIVATION_BUFFERS} buffers = {r.activation_bytes:,} B = {size_text(r.activation_bytes)}",
+        f"  total: {r.weight_bytes / unit:.2f} + {r.kv_cache_bytes / unit:.2f} + "
+        f"{r.activation_bytes / unit:.2f} = {r.total_bytes / unit:.2f} {unit_name}; usable "
+        f"{plan.device_bytes / GB:.2f} GB x {fraction} = {size_text(plan.usable_bytes)}: "
+        f"{'fits' if plan.fits else 'DOES NOT FIT'}",
+    ]
+    return "\n".join(lines)
+
+
+def _tensor_line(t: Tensor, plan: LaunchPlan) -> str:
+    dims = " x ".join(
+        f"{n}/{t.tp}" if i == t.split_dim and t.tp > 1 else str(n) for i, n in enumerate(t.full_shape)
+    )
+    text = f"{t.name:<28} [{dims}] = {math.prod(t.shape):,} x {t.param_bytes(plan.dtype)} B"
+    if t.is_fp8(plan.dtype):
+        rows, cols = t.scale_blocks(plan.block)
+        text += f" + {rows} x {cols} scales x 4 B"
+    return f"{text} = {t.nbytes(plan.dtype, plan.block):,} B"
+
+
+def plan_json(plan: LaunchPlan) -> dict[str, Any]:
+    cfg, m = plan.config, plan.mesh
+    return {
+        "config": cfg.source,
+        "model": cfg.model,
+        "dtype": plan.dtype,
+        "device": plan.device,
+        "nodes": cfg.cluster.nodes,
+        "devices_per_node": cfg.cluster.devices_per_node,
+        "tp": m.tp,
+        "dp": m.dp,
+        "pp": m.pp,
+        "ep": m.ep,
+        "world": m.world,
+        "device_bytes": plan.device_bytes,
+        "usable_bytes": plan.usable_bytes,
+        "fits": plan.fits,
+        "verdict": plan.verdict(),
+        "stages": plan.stages,
+        "groups": plan.groups(),
+        "ranks": [_rank_json(r, plan) for r in plan.ranks],
+    }
+
+
+def _rank_json(r: RankPlan, plan: LaunchPlan) -> dict[str, Any]:
+    def part_json(part: WeightPart) -> dict[str, Any]:
+        return {"name": part.name, "count": part.count, "bytes": part.nbytes(plan.dtype, plan.block)}
+
+    return {
+        "rank": r.rank,
+        "node": r.node,
+        "local_device": r.local_device,
+        "pp": r.pp,
+        "dp": r.dp,
+        "tp": r.tp,
+        "ep": r.ep,
+        "layers": list(r.layers),
+        "experts": list(r.experts),
+        "weight_parts": [part_json(p) for p in r.weight_parts],
+        "weight_bytes": r.weight_bytes,
+        "kv_cache_bytes": r.kv_cache_bytes,
+        "activation_bytes": r.activation_bytes,
+        "total_bytes": r.total_bytes,
+    }
+
+
+def _ranges(ids: tuple[int, ...] | list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _group_list(groups: list[list[int]]) -> str:
+    shown = " ".join(f"[{_ranges(g)}]" for g in groups[:8])
+    return shown + (f" ... ({len(groups)} groups)" if len(groups) > 8 else "")

@@ -1,0 +1,1 @@
+"""The deployment file (schema, loading, overrides) and the launch plan built from it."""

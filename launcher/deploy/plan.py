@@ -1,0 +1,412 @@
+"""The launch plan: where each rank runs, which groups it joins, which layers and experts it holds, and
+how much device memory it needs. Built from the deployment file and the model's config.json alone; it
+starts nothing, so `launch plan` can check a 671B deployment on a laptop.
+
+Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
+- weights: what the rank holds. Its stage's layers; of those its 1/tp slice of attention heads (q_b, kv_b,
+  o_proj), dense MLPs, shared experts and vocab (embedding on the first stage, lm_head on the last); its
+  EP share of routed experts; and in full what every TP rank replicates (q_a and kv_a projections,
+  norms, the router gate). Bytes per parameter: float32 4, bfloat16 2; fp8 stores projections in 1 byte
+  plus one fp32 scale per 128x128 block and keeps embedding, lm_head, norms and gate in bf16. The router
+  bias is fp32 always. The MTP layer is not counted (it is loaded only for speculative decoding).
+- KV cache: MLA caches (kv_lora_rank + qk_rope_head_dim) values per token per layer; every TP rank of a
+  replica holds its replica's whole latent cache (the latent is shared by all heads), sized for
+  engine.max_num_seqs sequences of engine.max_model_len tokens over the stage's layers. 2 bytes per value
+  (4 under float32).
+- activations: engine.max_num_batched_tokens x hidden_size x 2 bytes (4 under float32) x ACTIVATION_BUFFERS.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelaunch.launcher.deploy.config import DeployConfig
+from moelaunch.model.config import ModelArgs, load_args
+from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.parallel.mesh import LayoutError, MeshShape
+from moelaunch.parallel.sharded_model import check_layout
+from moelaunch.parallel.stages import assign_stages
+
+GB = 10**9
+MB = 10**6
+# Hidden-sized buffers alive at once per step token: residual, normed input, attention and MLP outputs,
+# q/kv intermediates, and the MoE dispatch/combine send and receive copies; a round, generous figure.
+ACTIVATION_BUFFERS = 16
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One weight as a rank holds it: full_shape, cut into tp slices along split_dim (None: whole)."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    kind: str  # "proj": quantizable projection; "plain": 16-bit even under fp8; "fp32": always fp32
+    split_dim: int | None = None
+    tp: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(n // self.tp if i == self.split_dim else n for i, n in enumerate(self.full_shape))
+
+    def is_fp8(self, dtype: str) -> bool:
+        return dtype == "fp8" and self.kind == "proj"
+
+    def param_bytes(self, dtype: str) -> int:
+        if self.kind == "fp32" or dtype == "float32":
+            return 4
+        return 1 if self.is_fp8(dtype) else 2
+
+    def scale_blocks(self, block: tuple[int, int]) -> tuple[int, int]:
+        rows, cols = self.shape
+        return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+    def nbytes(self, dtype: str, block: tuple[int, int]) -> int:
+        size = math.prod(self.shape) * self.param_bytes(dtype)
+        if self.is_fp8(dtype):
+            size += math.prod(self.scale_blocks(block)) * 4
+        return size
+
+
+@dataclass(frozen=True)
+class WeightPart:
+    """`count` copies of the same tensors (one per layer, or per layer and expert) held by a rank."""
+
+    name: str
+    count: int
+    count_note: str
+    tensors: tuple[Tensor, ...]
+
+    def unit_bytes(self, dtype: str, block: tuple[int, int]) -> int:
+        return sum(t.nbytes(dtype, block) for t in self.tensors)
+
+    def nbytes(self, dtype: str, block: tuple[int, int]) -> int:
+        return self.count * self.unit_bytes(dtype, block)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    rank: int
+    node: int
+    local_device: int
+    pp: int
+    dp: int
+    tp: int
+    ep: int
+    layers: tuple[int, ...]
+    experts: tuple[int, ...]
+    weight_parts: tuple[WeightPart, ...]
+    weight_bytes: int
+    kv_cache_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    config: DeployConfig
+    args: ModelArgs
+    mesh: MeshShape
+    dtype: str  # resolved: float32 | bfloat16 | fp8
+    device: str  # resolved: cuda | cpu
+    block: tuple[int, int]  # fp8 scale block
+    max_model_len: int  # resolved: engine.max_model_len or the model's default
+    device_bytes: int
+    stages: list[list[int]]
+    ranks: list[RankPlan]
+
+    @property
+    def usable_bytes(self) -> int:
+        return int(self.device_bytes * self.config.cluster.memory_fraction)
+
+    @property
+    def heaviest(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.total_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.heaviest.total_bytes <= self.usable_bytes
+
+    @property
+    def value_bytes(self) -> int:
+        return value_bytes(self.dtype)
+
+    def groups(self) -> dict[str, list[list[int]]]:
+        """The process groups the mesh forms (the same families as ParallelMesh.build)."""
+        s = self.mesh
+        return {
+            "tp": [[s.rank(p, d, t) for t in range(s.tp)] for p in range(s.pp) for d in range(s.dp)],
+            "dp_replica": [[s.rank(p, d, t) for p in range(s.pp) for t in range(s.tp)] for d in range(s.dp)],
+            "ep": [[s.rank(p, d, t) for d in range(s.dp) for t in range(s.tp)] for p in range(s.pp)],
+            "pp": [[s.rank(p, d, t) for p in range(s.pp)] for d in range(s.dp) for t in range(s.tp)],
+        }
+
+    def verdict(self) -> str:
+        r = self.heaviest
+        c = self.config.cluster
+        need = (
+            f"rank {r.rank} needs {size_text(r.total_bytes)} (weights {size_text(r.weight_bytes)} + KV cache "
+            f"{size_text(r.kv_cache_bytes)} + activations {size_text(r.activation_bytes)})"
+        )
+        have = (
+            f"{size_text(self.usable_bytes)} usable per {self.device} device "
+            f"({size_text(self.device_bytes)} x cluster.memory_fraction {c.memory_fraction})"
+        )
+        if self.fits:
+            return f"fits: {need} of {have}"
+        return (
+            f"{self.config.source}: does not fit: {need} but there are {have}; lower engine.max_model_len "
+            "or engine.max_num_seqs, pick a smaller dtype, or spread the model over more devices (dp, pp)"
+        )
+
+
+def value_bytes(dtype: str) -> int:
+    """Bytes of one KV-cache value or activation: fp8 models keep both in bf16."""
+    return 4 if dtype == "float32" else 2
+
+
+def size_text(n: int) -> str:
+    """44.26 GB; below 1 GB (small test models) in MB, so it does not read 0.00."""
+    return f"{n / GB:.2f} GB" if n >= GB else f"{n / MB:.2f} MB"
+
+
+def build_plan(cfg: DeployConfig) -> LaunchPlan:
+    """Check the layout against the model and the cluster and place every rank; raises DeployConfigError
+    or LayoutError with the fix when it cannot work. A plan that does not fit memory is still returned
+    (plan.fits is False) so its tables can show why."""
+    if not Path(cfg.model).exists():
+        raise cfg.error("model", cfg.model, "an existing checkpoint directory or config.json (no such path)")
+    try:
+        args = load_args(cfg.model)
+    except ValueError as e:
+        raise cfg.error("model", cfg.model, f"a DeepSeek checkpoint directory or config.json ({e})") from None
+    p = cfg.parallel
+    mesh = MeshShape(dp=p.dp, pp=p.pp, tp=p.tp)
+    _check_devices(cfg, mesh)
+    try:
+        check_layout(args, mesh.tp, mesh.ep, mesh.pp)
+    except LayoutError as e:
+        raise LayoutError(
+            f"{cfg.source}: parallel tp={p.tp} dp={p.dp} pp={p.pp} does not split the model: {e}"
+        ) from None
+    device = _resolve_device(cfg)
+    dtype = _resolve_dtype(cfg, args, device)
+    block = args.fp8_block_size or (128, 128)
+    max_model_len = cfg.engine.max_model_len or min(args.max_position_embeddings, 8192)  # the engine's rule
+    if max_model_len > args.max_position_embeddings:
+        raise cfg.error(
+            "engine.max_model_len",
+            max_model_len,
+            f"<= the model's max_position_embeddings = {args.max_position_embeddings}",
+        )
+    placement = _placement(cfg, args, mesh.ep)
+    stages = assign_stages(args, mesh.pp)
+    ranks = [
+        _rank_plan(cfg, args, mesh, stages, placement, dtype, block, max_model_len, r)
+        for r in range(mesh.world)
+    ]
+    if dtype == "fp8":
+        _check_fp8_blocks(cfg, ranks[0], block)
+    device_bytes = _device_bytes(cfg, device)
+    return LaunchPlan(cfg, args, mesh, dtype, device, block, max_model_len, device_bytes, stages, ranks)
+
+
+def _check_devices(cfg: DeployConfig, mesh: MeshShape) -> None:
+    c, p = cfg.cluster, cfg.parallel
+    have = c.nodes * c.devices_per_node
+    if mesh.world != have:
+        if mesh.world % c.devices_per_node == 0:
+            fix = f"set cluster.nodes: {mesh.world // c.devices_per_node} or change parallel"
+        else:
+            fix = "change parallel or cluster.devices_per_node"
+        raise LayoutError(
+            f"{cfg.source}: the layout needs dp*pp*tp = {p.dp}*{p.pp}*{p.tp} = {mesh.world} devices but the "
+            f"cluster has nodes*devices_per_node = {c.nodes}*{c.devices_per_node} = {have}: {fix}"
+        )
+    if c.devices_per_node % p.tp:
+        fits = [t for t in range(1, c.devices_per_node + 1) if c.devices_per_node % t == 0]
+        raise LayoutError(
+            f"{cfg.source}: parallel.tp={p.tp} does not divide "
+            f"cluster.devices_per_node={c.devices_per_node}, so a TP group would straddle nodes (TP "
+            f"all-reduces twice per layer and needs one node's links): use tp in {fits}"
+        )
+
+
+def _resolve_device(cfg: DeployConfig) -> str:
+    # `auto` is decided where the workers run; the plan can only look at this machine.
+    if cfg.cluster.device != "auto":
+        return cfg.cluster.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _resolve_dtype(cfg: DeployConfig, args: ModelArgs, device: str) -> str:
+    """auto: FP8 checkpoints stay fp8 on GPUs, other checkpoints run bf16 there; the CPU path runs fp32."""
+    fp8_checkpoint = args.fp8_block_size is not None
+    if cfg.dtype == "auto":
+        return "float32" if device == "cpu" else ("fp8" if fp8_checkpoint else "bfloat16")
+    if cfg.dtype == "fp8" and not fp8_checkpoint:
+        raise cfg.error(
+            "dtype",
+            "fp8",
+            "bfloat16 or float32 for this checkpoint, which is not block-FP8 (convert it first with "
+            "`launch convert quantize-fp8 SRC DST`)",
+        )
+    return cfg.dtype
+
+
+def _placement(cfg: DeployConfig, args: ModelArgs, ep: int) -> ExpertPlacement | None:
+    owners = cfg.parallel.expert_placement
+    if not args.n_routed_experts:
+        return None
+    if owners is None:
+        return ExpertPlacement.contiguous(args.n_routed_experts, ep)
+    try:
+        return ExpertPlacement.from_map(owners, args.n_routed_experts, ep)
+    except ValueError as e:
+        given = f"{len(owners)} expert owner lists"
+        raise cfg.error("parallel.expert_placement", given, f"one owner list per expert ({e})") from None
+
+
+def _device_bytes(cfg: DeployConfig, device: str) -> int:
+    c = cfg.cluster
+    if c.device_memory_gb is not None:
+        return int(c.device_memory_gb * GB)
+    if device == "cpu":
+        # CPU worker slots of a node share its RAM; the plan sees only this machine's.
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // c.devices_per_node
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    raise cfg.error(
+        "cluster.device_memory_gb",
+        None,
+        "the memory of one GPU in GB, required for cuda when no GPU is visible here (H200: 141, H100: 80)",
+    )
+
+
+def _rank_plan(
+    cfg: DeployConfig,
+    args: ModelArgs,
+    mesh: MeshShape,
+    stages: list[list[int]],
+    placement: ExpertPlacement | None,
+    dtype: str,
+    block: tuple[int, int],
+    max_model_len: int,
+    rank: int,
+) -> RankPlan:
+    pp, dp, tp = mesh.coords(rank)
+    ep = rank % mesh.ep  # position in its stage's EP group (dp-major, tp-minor)
+    layers = stages[pp]
+    experts = placement.experts_of(ep) if placement else []
+    parts = rank_weights(args, mesh.tp, layers, pp == 0, pp == mesh.pp - 1, len(experts))
+    v, e = value_bytes(dtype), cfg.engine
+    kv = (args.kv_lora_rank + args.qk_rope_head_dim) * v * len(layers) * max_model_len * e.max_num_seqs
+    activations = e.max_num_batched_tokens * args.hidden_size * v * ACTIVATION_BUFFERS
+    devices = cfg.cluster.devices_per_node
+    return RankPlan(
+        rank=rank,
+        node=rank // devices,
+        local_device=rank % devices,
+        pp=pp,
+        dp=dp,
+        tp=tp,
+        ep=ep,
+        layers=tuple(layers),
+        experts=tuple(experts),
+        weight_parts=parts,
+        weight_bytes=sum(part.nbytes(dtype, block) for part in parts),
+        kv_cache_bytes=kv,
+        activation_bytes=activations,
+    )
+
+
+def rank_weights(
+    args: ModelArgs, tp: int, layers: list[int], first: bool, last: bool, n_experts: int
+) -> tuple[WeightPart, ...]:
+    """The weights one rank holds, grouped into parts a reader can multiply out by hand."""
+    d, vocab = args.hidden_size, args.vocab_size
+    n_moe = sum(args.is_moe_layer(i) for i in layers)
+    n_dense = len(layers) - n_moe
+    router = [Tensor("gate.weight", (args.n_routed_experts, d), "plain")]
+    if args.uses_expert_bias:
+        router.append(Tensor("gate.e_score_correction_bias", (args.n_routed_experts,), "fp32"))
+    shared = _mlp("shared_experts", d, args.n_shared_experts * args.moe_intermediate_size, tp)
+    parts = [
+        WeightPart(
+            "embedding", int(first), "first stage", (Tensor("embed_tokens", (vocab, d), "plain", 0, tp),)
+        ),
+        WeightPart("attention + norms", len(layers), f"{len(layers)} layers", _attention(args, tp)),
+        WeightPart(
+            "dense MLP", n_dense, f"{n_dense} dense layers", _mlp("mlp", d, args.intermediate_size, tp)
+        ),
+        WeightPart(
+            "router + shared experts",
+            n_moe,
+            f"{n_moe} MoE layers",
+            tuple(router) + (shared if args.n_shared_experts else ()),
+        ),
+        WeightPart(
+            "routed experts",
+            n_moe * n_experts,
+            f"{n_moe} MoE layers x {n_experts} experts",
+            _mlp("expert", d, args.moe_intermediate_size, 1),
+        ),
+        WeightPart(
+            "final norm + lm_head",
+            int(last),
+            "last stage",
+            (Tensor("norm", (d,), "plain"), Tensor("lm_head", (vocab, d), "plain", 0, tp)),
+        ),
+    ]
+    return tuple(part for part in parts if part.count)
+
+
+def _attention(args: ModelArgs, tp: int) -> tuple[Tensor, ...]:
+    d, h = args.hidden_size, args.num_attention_heads
+    if args.q_lora_rank:
+        query = [
+            Tensor("q_a_proj", (args.q_lora_rank, d), "proj"),
+            Tensor("q_a_layernorm", (args.q_lora_rank,), "plain"),
+            Tensor("q_b_proj", (h * args.qk_head_dim, args.q_lora_rank), "proj", 0, tp),
+        ]
+    else:
+        query = [Tensor("q_proj", (h * args.qk_head_dim, d), "proj", 0, tp)]
+    return (
+        *query,
+        Tensor("kv_a_proj_with_mqa", (args.kv_lora_rank + args.qk_rope_head_dim, d), "proj"),
+        Tensor("kv_a_layernorm", (args.kv_lora_rank,), "plain"),
+        Tensor(
+            "kv_b_proj", (h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank), "proj", 0, tp
+        ),
+        Tensor("o_proj", (d, h * args.v_head_dim), "proj", 1, tp),
+        Tensor("input_layernorm", (d,), "plain"),
+        Tensor("post_attention_layernorm", (d,), "plain"),
+    )
+
+
+def _mlp(prefix: str, d: int, inter: int, tp: int) -> tuple[Tensor, ...]:
+    return (
+        Tensor(f"{prefix}.gate_proj", (inter, d), "proj", 0, tp),
+        Tensor(f"{prefix}.up_proj", (inter, d), "proj", 0, tp),
+        Tensor(f"{prefix}.down_proj", (d, inter), "proj", 1, tp),
+    )
+
+
+def _check_fp8_blocks(cfg: DeployConfig, rank: RankPlan, block: tuple[int, int]) -> None:
+    """FP8 scales cover 128x128 blocks; a TP slice must not cut through one (the loader refuses it)."""
+    for part in rank.weight_parts:
+        for t in part.tensors:
+            if t.kind == "proj" and t.split_dim is not None and t.shape[t.split_dim] % block[t.split_dim]:
+                full = t.full_shape[t.split_dim]
+                raise LayoutError(
+                    f"{cfg.source}: dtype fp8 with parallel.tp={t.tp}: {t.name}'s slice {full}/{t.tp} = "
+                    f"{t.shape[t.split_dim]} is not a multiple of the {block[t.split_dim]}-wide FP8 scale "
+                    "block: choose a tp that keeps slices block-aligned, or dtype bfloat16"
+                )
