@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch.distributed as dist
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from moelaunch.cluster.local import free_port, spawn_workers, stop_workers
@@ -27,6 +28,21 @@ from moelaunch.launcher.engine.sampling_params import SamplingParams
 Prompt = str | list[int] | list[dict[str, Any]]
 
 
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from keyword options, with one ValueError naming each bad option."""
+    try:
+        return EngineConfig(**options)
+    except ValidationError as e:
+        known = ", ".join(EngineConfig.model_fields)
+        problems = [
+            f"{'.'.join(map(str, err['loc']))}: {err['msg']} (given {err.get('input')!r})"
+            if err["type"] != "extra_forbidden"
+            else f"unknown LLM option {err['loc'][0]!r}; the options are {known}"
+            for err in e.errors(include_url=False)
+        ]
+        raise ValueError("; ".join(problems)) from None
+
+
 class LLM:
     def __init__(
         self,
@@ -36,14 +52,16 @@ class LLM:
         pp: int = 1,
         dtype: str = "auto",
         fp8: str = "auto",
+        expert_placement: list[list[int]] | None = None,
+        timeout_s: float = 300.0,
         **engine_options: Any,
     ) -> None:
         """engine_options: any EngineConfig field (max_model_len, kv_cache_memory, kv_cache_fraction,
-        block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, speculative...)."""
-        unknown = set(engine_options) - {f for f in EngineConfig.__dataclass_fields__}
-        if unknown:
-            raise ValueError(f"unknown LLM option(s) {', '.join(sorted(unknown))}: see EngineConfig")
-        self._start(EngineSpec(str(model), tp, dp, pp, dtype, fp8, EngineConfig(**engine_options)), {})
+        block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, speculative,
+        skip_tokenizer_init...)."""
+        config = engine_config(engine_options)
+        spec = EngineSpec(str(model), tp, dp, pp, dtype, fp8, config, expert_placement, timeout_s)
+        self._start(spec, {})
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> LLM:
@@ -67,6 +85,11 @@ class LLM:
         self._ids = itertools.count()
 
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if self.tokenizer is None and (isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict))):
+            raise ValueError(
+                "text and chat prompts need the tokenizer, which skip_tokenizer_init=True left out: "
+                "give token ids"
+            )
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
         if prompt and isinstance(prompt[0], dict):

@@ -43,15 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
     p.add_argument("--speculative", choices=["mtp"], help="draft with the checkpoint's MTP layer")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait on a peer may take")
-    p.add_argument("--config", help="accepted for compatibility; the model config is the checkpoint's")
     return p.parse_args(argv)
 
 
 def build(args: argparse.Namespace) -> LLMEngine:
     world = RankEnv.from_env().world_size
     tp = args.tp or max(world // (args.dp * args.pp), 1)
-    config = EngineConfig(speculative=args.speculative, timeout_s=args.timeout, seed=args.seed)
-    return build_engine(EngineSpec(args.ckpt_path, tp, args.dp, args.pp, args.dtype, engine=config))
+    config = EngineConfig(speculative=args.speculative, seed=args.seed)
+    spec = EngineSpec(args.ckpt_path, tp, args.dp, args.pp, args.dtype, engine=config, timeout_s=args.timeout)
+    return build_engine(spec)
 
 
 def params(args: argparse.Namespace, index: int) -> SamplingParams:

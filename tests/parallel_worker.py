@@ -16,6 +16,7 @@ from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.engine import LLMEngine, run_to_completion
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 
 
@@ -25,10 +26,10 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
     mesh = ParallelMesh.build(shape, timeout_s=120, ranks=list(range(shape.world)))
     if mesh is None:
         return
-    config = EngineConfig(
-        kv_cache_memory=2_000_000, block_size=4, timeout_s=120, expert_placement=plan.get("placement")
-    )
-    engine = LLMEngine(ckpt, mesh, config)
+    config = EngineConfig(kv_cache_memory=2_000_000, block_size=4)
+    owners = plan.get("placement")
+    placement = ExpertPlacement.from_map(owners, len(owners), shape.ep) if owners else None
+    engine = LLMEngine(ckpt, mesh, config, placement=placement)
     read = [None] * mesh.world.size
     dist.all_gather_object(read, engine.model.checkpoint_bytes_read, group=mesh.world.pg)
     if mesh.rank != 0:

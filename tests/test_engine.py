@@ -124,3 +124,42 @@ def test_bad_requests_are_refused_clearly(checkpoint):
             llm.generate([[0] * 40], GREEDY)
         with pytest.raises(ValueError, match="unknown LLM option"):
             LLM(checkpoint, kv_cach_memory=1)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [("max_num_seqs", 0, "max_num_seqs"), ("max_model_len", "512", "max_model_len"),
+     ("speculative", "eagle", "speculative"), ("seed", 2**70, "seed")],
+)  # fmt: skip
+def test_bad_engine_options_name_the_option_before_loading(tmp_path, option, value, named):
+    # tmp_path holds no checkpoint: the option is refused before anything is read.
+    with pytest.raises(ValueError, match=f"^{named}:"):
+        LLM(str(tmp_path), **{option: value})
+
+
+def test_token_ids_need_no_tokenizer(tmp_path, reference):
+    bare = make_hf_model(tmp_path, "v3", num_hidden_layers=4)  # the same weights, no tokenizer.json
+    assert not (bare / "tokenizer.json").exists()
+    with LLM(str(bare), kv_cache_memory=4_000_000, skip_tokenizer_init=True) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [reference[tuple(p)] for p in PROMPTS]
+        assert all(o.outputs[0].text == "" for o in outs)
+        with pytest.raises(ValueError, match="skip_tokenizer_init=True left out: give token ids"):
+            llm.generate("a text prompt", GREEDY)
+        with pytest.raises(ValueError, match="stop strings need the tokenizer"):
+            llm.generate([PROMPTS[0]], SamplingParams(stop=["x"]))
+
+
+def test_an_aborted_request_frees_its_blocks_and_the_next_one_runs(checkpoint, reference):
+    with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
+        engine = llm.engine
+        free = engine.blocks.num_free
+        engine.add_request("gone", PROMPTS[4], GREEDY)
+        engine.step()
+        assert engine.blocks.num_free < free
+        engine.abort("gone")
+        (out,) = engine.step()
+        assert out.finished and out.outputs[0].finish_reason == "abort"
+        engine.release("gone")
+        assert engine.blocks.num_free == free and not engine.has_unfinished()
+        assert run_all(llm, PROMPTS[:1]) == [reference[tuple(PROMPTS[0])]]

@@ -1,15 +1,13 @@
 """A model of the task family asked questions through the chat template and the project's generate path.
 
-Used by `launch eval` to score checkpoints and by the out-of-the-box demo of the shipped small model.
+Used by `launch eval` to score checkpoints and by the tests of the shipped small model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moelaunch.launcher.bundled.tasks import held_out_sample
 from moelaunch.model import Transformer, load_model
 from moelaunch.model.single_sequence import generate
 from moelaunch.model.tokenizer import Tokenizer
@@ -39,10 +37,3 @@ class TaskModel:
     def reply(self, question: str) -> str:
         return self.tokenizer.decode(self.generate_ids(self.prompt_ids(question))).strip()
 
-
-def run_demo(path: str | Path = DEFAULT_CHECKPOINT, n: int = 5, write: Callable[[str], None] = print) -> None:
-    """Ask a few held-out questions (one of each kind) and print the exchanges."""
-    tm = TaskModel.load(path)
-    for problem in held_out_sample(n):
-        write(f"User: {problem.prompt}")
-        write(f"Assistant: {tm.reply(problem.prompt)}")

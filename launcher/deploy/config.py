@@ -17,8 +17,11 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from moelaunch.launcher.engine.config import EngineConfig
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
+DEPLOYMENT_MAX_NUM_SEQS = 8
 # Keys holding file paths: relative ones resolve against the YAML file's directory, or against the
 # working directory when they come from --set (where the user typed them).
 PATH_KEYS = (("model",), ("job", "input"), ("job", "output"))
@@ -41,20 +44,6 @@ class ParallelConfig(_Strict):
     expert_placement: list[list[int]] | None = Field(
         None, description="owners[e] = EP ranks holding expert e (default: contiguous blocks)"
     )
-
-
-class EngineLimits(_Strict):
-    """The engine's batching limits (named as in launcher/engine/config.py's EngineConfig). The plan sizes
-    the KV cache for max_num_seqs sequences of max_model_len tokens per DP replica (the worst case: all of
-    them at full length) and activations for one step of max_num_batched_tokens tokens."""
-
-    max_model_len: int | None = Field(
-        None,
-        ge=1,
-        description="tokens per sequence; default the model's max_position_embeddings, at most 8192",
-    )
-    max_num_seqs: int = Field(8, ge=1, description="sequences running at once per DP replica")
-    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens per engine step per DP replica")
 
 
 class Timeouts(_Strict):
@@ -157,10 +146,21 @@ class DeployConfig(_Strict):
     model: str = Field(min_length=1, description="a Hugging Face checkpoint directory or its config.json")
     dtype: Literal["auto", "bfloat16", "float32", "fp8"] = "auto"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    engine: EngineLimits = Field(default_factory=EngineLimits)
+    # The plan sizes the KV cache for max_num_seqs sequences of max_model_len tokens per DP replica (the
+    # worst case: all of them at full length) and activations for one max_num_batched_tokens step, so a
+    # deployment defaults to DEPLOYMENT_MAX_NUM_SEQS sequences, not the API's 256.
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(max_num_seqs=DEPLOYMENT_MAX_NUM_SEQS))
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     job: JobConfig = Field(default_factory=ChatJob)
     _source: str = PrivateAttr("<config>")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _deployment_defaults(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {"max_num_seqs": DEPLOYMENT_MAX_NUM_SEQS, **value}
+        return value
+
     _overrides: dict[tuple[str, ...], str] = PrivateAttr(default_factory=dict)
 
     @property

@@ -1,33 +1,42 @@
-"""Engine settings: cache geometry and budget, batching limits, speculative decoding."""
+"""Engine settings: cache geometry and budget, batching limits, speculative decoding.
+
+One type for every way of setting them: the `engine:` section of a deployment file is validated as this
+model, `LLM(...)` keyword options build it, and the engine (and its scheduler) read it as it is.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048  # per step and DP replica: bounds a step's prefill work
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
-    kv_cache_memory: int | None = None  # bytes per rank for the latent cache; None: a fraction of free memory
-    kv_cache_fraction: float = 0.25
+class EngineConfig(BaseModel):
+    # strict: "8" for an int is a mistake to report, not something to coerce.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    max_model_len: int | None = Field(
+        None, ge=1, description="tokens per sequence; default: the model's max_position_embeddings, <= 8192"
+    )
+    max_num_seqs: int = Field(256, ge=1, description="sequences running at once per DP replica")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens per engine step per DP replica (bounds a step's prefill work)"
+    )
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    kv_cache_memory: int | None = Field(
+        None,
+        ge=1,
+        description="bytes per rank for the latent cache; default: a kv_cache_fraction of free memory",
+    )
+    kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the cache")
     enable_prefix_caching: bool = True
-    micro_batches: int | None = None  # pipeline micro-batches per step; default: the number of stages
-    seed: int = 0  # seeds sequences whose SamplingParams give none
-    speculative: str | None = None  # "mtp": draft with the checkpoint's MTP layer, verify next step
-    timeout_s: float = 300.0
-    expert_placement: list[list[int]] | None = None  # expert -> EP ranks holding it (copies allowed)
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("block_size", self.block_size >= 1, ">= 1"),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
-            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
-            ("kv_cache_fraction", 0 < self.kv_cache_fraction <= 0.95, "in (0, 0.95]"),
-            ("speculative", self.speculative in (None, "mtp"), "None or 'mtp'"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"engine setting {name}={getattr(self, name)!r} must be {rule}")
+    micro_batches: int | None = Field(
+        None, ge=1, description="pipeline micro-batches per step; default the number of stages"
+    )
+    seed: int = Field(0, ge=0, lt=2**63, description="seeds the sequences whose sampling params give none")
+    speculative: Literal["mtp"] | None = Field(
+        None, description="mtp: draft with the checkpoint's MTP layer, verify in the next step"
+    )
+    skip_tokenizer_init: bool = Field(
+        False, description="load no tokenizer: prompts are token ids, outputs token ids without text"
+    )

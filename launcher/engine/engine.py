@@ -21,7 +21,7 @@ from moelaunch.launcher.engine.memory import available_bytes, num_blocks_for
 from moelaunch.launcher.engine.model_runner import ModelRunner, StepResult
 from moelaunch.launcher.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
-from moelaunch.launcher.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from moelaunch.launcher.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.launcher.engine.sequence import Sequence
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.tokenizer import Tokenizer
@@ -87,17 +87,14 @@ class LLMEngine:
         config: EngineConfig | None = None,
         dtype: torch.dtype = torch.float32,
         fp8: str = "auto",
+        placement: ExpertPlacement | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.mesh = mesh
-        self.tokenizer = Tokenizer.from_dir(model_path)
+        self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer.from_dir(model_path)
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
-        placement = None
-        if self.config.expert_placement is not None:
-            owners = self.config.expert_placement
-            placement = ExpertPlacement.from_map(owners, len(owners), mesh.shape.ep)
         self.model = load_shard(model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement)
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
@@ -108,12 +105,11 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or min(args.max_position_embeddings, 8192)
         self.cache = self._allocate_cache()
         self.blocks = BlockManager(self.cache.num_blocks, self.config.block_size)
-        sched = SchedulerConfig(
-            self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(sched, self.blocks)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
+        self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
         micro = self.config.micro_batches or mesh.shape.pp
-        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.tokenizer.eos_id, use_mtp)
+        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp)
         self.spec_stats = SpecStats()
         self.seqs: dict[int, Sequence] = {}
         # Front-end state, meaningful on rank 0 only.
@@ -144,6 +140,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings need the tokenizer, which skip_tokenizer_init=True "
+                "left out; use stop_token_ids"
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(prompt_ids)} tokens does not fit max_model_len="
@@ -270,7 +271,7 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if token in p.stop_token_ids or (token == self.tokenizer.eos_id and not p.ignore_eos):
+        if token in p.stop_token_ids or (token == self.eos_id and not p.ignore_eos):
             return "stop"
         if p.stop:
             text = self.tokenizer.decode(seq.output)
@@ -332,6 +333,8 @@ class LLMEngine:
         )
 
     def _text(self, out: CompletionOutput, params: SamplingParams) -> str:
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only
+            return ""
         text = self.tokenizer.decode(out.token_ids)
         for s in params.stop:  # the output ends before the first stop string
             at = text.find(s)

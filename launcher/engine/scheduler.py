@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moelaunch.launcher.engine.block_manager import BlockManager
+from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.sequence import SeqStatus, Sequence
 
 
@@ -31,15 +32,8 @@ class ScheduledChunk:
         return self.seq.tokens[self.start : self.start + self.length - len(self.draft)] + list(self.draft)
 
 
-@dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    enable_prefix_caching: bool = True
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
         self.waiting: list[Sequence] = []
@@ -49,10 +43,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
         self.waiting.sort(key=lambda s: s.seq_id)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens

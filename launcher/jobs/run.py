@@ -15,7 +15,6 @@ from pathlib import Path
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.plan import build_plan
-from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.launch import EngineSpec
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
@@ -36,16 +35,10 @@ def engine_spec(cfg: DeployConfig) -> EngineSpec:
         raise cfg.error(
             "model", cfg.model, "a checkpoint directory to run (a config.json only serves `plan`)"
         )
-    engine = EngineConfig(
-        max_model_len=cfg.engine.max_model_len,
-        max_num_seqs=cfg.engine.max_num_seqs,
-        max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-        timeout_s=cfg.cluster.timeouts.collective_s,
-        expert_placement=cfg.parallel.expert_placement,
-    )
     dtype, fp8 = ("auto", "keep") if cfg.dtype == "fp8" else (cfg.dtype, "auto")
     p = cfg.parallel
-    return EngineSpec(str(model), p.tp, p.dp, p.pp, dtype, fp8, engine)
+    timeout_s = cfg.cluster.timeouts.collective_s
+    return EngineSpec(str(model), p.tp, p.dp, p.pp, dtype, fp8, cfg.engine, p.expert_placement, timeout_s)
 
 
 def open_local(cfg: DeployConfig, spec: EngineSpec) -> LLM:
