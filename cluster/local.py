@@ -6,7 +6,6 @@ import ctypes
 import ctypes.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -14,12 +13,6 @@ from collections.abc import Mapping
 from moelaunch.cluster.rendezvous import RankEnv
 
 PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -15,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on this machine now, for MASTER_PORT ("" checks every interface)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class RendezvousError(RuntimeError):

@@ -23,13 +23,13 @@ from moelaunch.kernels import grouped_linear_cpu as linear_cpu
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as mla_ref
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE
+from moelaunch.kernels.triton_interpreter import interpreting
 
 
 def use_triton(t: Tensor) -> bool:
     if t.is_cuda:
         return True
-    env = os.environ
-    return env.get("MOELAUNCH_TRITON_ON_CPU") == "1" and env.get("TRITON_INTERPRET") == "1"
+    return os.environ.get("MOELAUNCH_TRITON_ON_CPU") == "1" and interpreting()
 
 
 def _triton() -> ModuleType:

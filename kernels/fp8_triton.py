@@ -8,14 +8,13 @@ pointer's element type, so the choice is made only by the dtype of the buffer th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from moelaunch.kernels.fp8_reference import AMAX_FLOOR, BLOCK_SIZE, FP8_DTYPE, FP8_MAX
+from moelaunch.kernels.triton_interpreter import interpreting
 
 # Triton kernels may read only constexpr globals.
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -24,13 +23,9 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 ACT_ROWS = 16
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _buffer_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype a kernel should store: the final one on a GPU, fp32 (cast later in torch) when interpreting."""
-    return torch.float32 if _interpreting() else dtype
+    return torch.float32 if interpreting() else dtype
 
 
 @triton.jit

@@ -11,21 +11,17 @@ tensor cores with the probabilities cast to the cache dtype, as flash attention 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from moelaunch.kernels.triton_interpreter import interpreting
+
 # Heads per program: 16 is tl.dot's minimum tile side on a GPU; fewer heads are masked.
 HEADS_PER_PROGRAM = 16
 # Tokens per tile of the online softmax: a tile may span several cache blocks or part of one.
 TOKENS_PER_TILE = 32
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -115,8 +111,8 @@ def paged_mla_decode_triton(
     assert cache.shape[-1] == c_dim + p_dim, f"cache rows {cache.shape[-1]} != C + P = {c_dim + p_dim}"
     # The cache is large and paged in place: index it through its strides instead of copying it.
     assert cache.stride(-1) == 1, "cache's last dim must be contiguous"
-    interpreting = _interpreting()
-    out_dtype = torch.float32 if interpreting else q_latent.dtype
+    interpreted = interpreting()
+    out_dtype = torch.float32 if interpreted else q_latent.dtype
     out = torch.empty(r, h, c_dim, dtype=out_dtype, device=q_latent.device)
     table = block_table.contiguous()
     grid = (r, triton.cdiv(h, HEADS_PER_PROGRAM))
@@ -139,6 +135,6 @@ def paged_mla_decode_triton(
         BLOCK_C=_tile(c_dim),
         BLOCK_P=_tile(p_dim),
         BLOCK_N=TOKENS_PER_TILE,
-        FP32_DOT=interpreting or cache.dtype == torch.float32,
+        FP32_DOT=interpreted or cache.dtype == torch.float32,
     )
     return out.to(q_latent.dtype)

@@ -17,13 +17,13 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from moelaunch.cluster.local import free_port, spawn_workers, stop_workers
-from moelaunch.cluster.rendezvous import RankEnv
+from moelaunch.cluster.local import spawn_workers, stop_workers
+from moelaunch.cluster.rendezvous import RankEnv, free_port
 from moelaunch.launcher.engine.config import EngineConfig
-from moelaunch.launcher.engine.engine import run_to_completion
 from moelaunch.launcher.engine.launch import EngineSpec, build_engine
 from moelaunch.launcher.engine.outputs import RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.launcher.jobs.drive import run_to_completion
 
 Prompt = str | list[int] | list[dict[str, Any]]
 

@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from moelaunch.cluster.rendezvous import RankEnv
 from moelaunch.launcher.engine.config import EngineConfig
-from moelaunch.launcher.engine.engine import LLMEngine, run_to_completion
+from moelaunch.launcher.engine.engine import LLMEngine
 from moelaunch.launcher.engine.launch import DTYPES, EngineSpec, build_engine
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
+from moelaunch.launcher.jobs.drive import run_to_completion
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -27,9 +27,9 @@ def stream_tokens(
     tokens = torch.tensor([prompt_ids], device=device)
     pos = 0
     for _ in range(max_new_tokens):
-        logits = model(tokens, start_pos=pos, cache=cache)[:, -1]
+        logits = model(tokens, start_pos=pos, cache=cache)[0, -1]
         pos += tokens.shape[1]
-        token = int(sample(logits, temperature, generator))
+        token = sample(logits, temperature, generator)
         yield token
         if token in stop_ids:
             return

@@ -33,12 +33,6 @@ def isolated_network() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def netns_prefix(netns: str | None) -> list[str]:
     # nsenter switches only the network namespace (`ip netns exec` also remounts /sys).
     return ["nsenter", f"--net=/run/netns/{netns}"] if netns else []

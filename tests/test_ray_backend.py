@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ray_nodes import REPO, free_port, isolated_network, netns_prefix, node_env, start_raylet, two_hosts
+from ray_nodes import REPO, isolated_network, netns_prefix, node_env, start_raylet, two_hosts
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 pytest.importorskip("ray")
@@ -25,6 +25,7 @@ pytest.importorskip("ray")
 from moelaunch.cluster.errors import ClusterError  # noqa: E402
 from moelaunch.cluster.ray.checks import NodeFacts, capacity_report, check_nodes  # noqa: E402
 from moelaunch.cluster.ray.session import RaySession  # noqa: E402
+from moelaunch.cluster.rendezvous import free_port  # noqa: E402
 from moelaunch.launcher import LLM, SamplingParams  # noqa: E402
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config  # noqa: E402
 from moelaunch.launcher.ray_client import RayLLM  # noqa: E402

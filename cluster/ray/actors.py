@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import importlib
 import os
-import socket
 from typing import Any
 
 import ray
+
+from moelaunch.cluster.rendezvous import free_port
 
 
 class RankActor:
@@ -21,9 +22,7 @@ class RankActor:
 
     def free_port(self) -> int:
         # Asked of rank 0 only: MASTER_PORT must be free on rank 0's node, not on the driver's.
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        return free_port("")
 
     def start(self, entry: str, payload: str, contract: dict[str, str]) -> None:
         """Set the torchrun env contract, then build the object with `module:function(payload)`."""

@@ -9,22 +9,23 @@ from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bench.metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
 from moelaunch.launcher.bench.workloads import Case
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.launcher.jobs.drive import Request, drive
 
 
 def run_case(llm: LLM, case: Case) -> CaseRun:
     engine = llm.engine
     reset_peak_rss()
     start = time.perf_counter()
-    for i, r in enumerate(case.requests):
+    requests = []
+    for i, r in enumerate(case.requests):  # every system generates exactly output_len tokens
         params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-        engine.add_request(f"{case.name}-{i}", r.prompt_ids, params)
+        requests.append(Request(f"{case.name}-{i}", r.prompt_ids, params))
     timings = []
-    while engine.has_unfinished():
-        for out in engine.step():
+    for outputs in drive(engine, requests):
+        for out in outputs:
             if out.finished:
                 m, n_out = out.metrics, len(out.outputs[0].token_ids)
                 timings.append(
                     RequestTiming(start, m.first_token, m.finished, len(out.prompt_token_ids), n_out)
                 )
-                engine.release(out.request_id)
     return CaseRun(timings, time.perf_counter() - start, peak_rss_mb())

@@ -36,4 +36,3 @@ class TaskModel:
 
     def reply(self, question: str) -> str:
         return self.tokenizer.decode(self.generate_ids(self.prompt_ids(question))).strip()
-

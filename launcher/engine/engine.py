@@ -9,7 +9,6 @@ reporters (last stage, tp index 0) send their tokens and log-probabilities to ra
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,7 @@ from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.tokenizer import Tokenizer
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import ParallelMesh
-from moelaunch.parallel.sharded_model import load_shard
+from moelaunch.parallel.parallelize import load_shard
 
 
 @dataclass(frozen=True)
@@ -347,19 +346,3 @@ class LLMEngine:
         state = self.requests.pop(request_id)
         for seq_id in [s for s, (r, _) in self._seq_owner.items() if r == state.request_id]:
             del self._seq_owner[seq_id]
-
-
-def run_to_completion(
-    engine, on_step: Callable[[RequestOutput], None] | None = None
-) -> dict[str, RequestOutput]:
-    """Step the engine (an LLMEngine or a client with its methods) until nothing is left; returns
-    the finished requests by id."""
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if on_step is not None:
-                on_step(out)
-            if out.finished:
-                done[out.request_id] = out
-                engine.release(out.request_id)
-    return done

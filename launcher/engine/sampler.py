@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from moelaunch.launcher.engine.sequence import Sequence
+from moelaunch.model.sampling import draw, filtered_logits
 
 
 @dataclass
@@ -33,20 +34,6 @@ def _banned_while_short(seq: Sequence, n_new: int, eos_id: int | None) -> list[i
     return ends
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k > 0:
-        kth = logits.topk(min(top_k, logits.shape[-1])).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Keep the smallest set whose mass reaches top_p (the token crossing it stays).
-        drop = probs.cumsum(-1) - probs > top_p
-        logits = logits.clone()
-        logits[order[drop]] = float("-inf")
-    return logits
-
-
 def _target(row: torch.Tensor, seq: Sequence, n_new: int, eos_id: int | None) -> torch.Tensor:
     """Logits after min_tokens bans; for sampling also temperature, top-k and top-p."""
     banned = _banned_while_short(seq, n_new, eos_id)
@@ -54,7 +41,7 @@ def _target(row: torch.Tensor, seq: Sequence, n_new: int, eos_id: int | None) ->
         row = row.clone()
         row[banned] = float("-inf")
     p = seq.params
-    return row if p.greedy else _filter_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+    return row if p.greedy else filtered_logits(row, p.temperature, p.top_k, p.top_p)
 
 
 def _record(token: int, logprobs: torch.Tensor | None, j: int, seq: Sequence) -> SampledToken:
@@ -86,7 +73,7 @@ def sample_sequence(
             else:
                 if guess is not None:
                     probs[guess] = 0.0
-                token = int(torch.multinomial(probs, 1, generator=seq.generator))
+                token = draw(probs, seq.generator)
         out.append(_record(token, logprobs, j, seq))
         if token != guess:
             break

@@ -30,6 +30,7 @@ from moelaunch.launcher.api import LLM
 from moelaunch.launcher.engine.engine import LLMEngine
 from moelaunch.launcher.engine.outputs import RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.launcher.jobs.drive import Request, drive
 
 # Per-line sampling fields and the JSON types each accepts. `n` is absent on purpose: an output line
 # holds one completion (repeat the line with other ids for more samples).
@@ -56,7 +57,7 @@ class LineError(ValueError):
 
 
 @dataclass
-class BatchJob:
+class BatchRequest:
     line_no: int
     id: str | int  # as written in the input; echoed into the output
     prompt: str | None
@@ -75,7 +76,7 @@ def default_seed(base: int, key: str) -> int:
     return base + zlib.crc32(key.encode())
 
 
-def parse_line(line_no: int, text: str, defaults: dict[str, Any], base_seed: int) -> BatchJob:
+def parse_line(line_no: int, text: str, defaults: dict[str, Any], base_seed: int) -> BatchRequest:
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
@@ -109,7 +110,7 @@ def parse_line(line_no: int, text: str, defaults: dict[str, Any], base_seed: int
         params = SamplingParams(**sampling)
     except ValueError as e:
         raise LineError(line_no, str(e)) from None
-    return BatchJob(line_no, rid, prompt, messages, params)
+    return BatchRequest(line_no, rid, prompt, messages, params)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class InputLines:
     errors: list[LineError] = field(default_factory=list)
     resumed: int = 0
 
-    def __iter__(self) -> Iterator[BatchJob]:
+    def __iter__(self) -> Iterator[BatchRequest]:
         first_line: dict[str, int] = {}
         with open(self.path, encoding="utf-8", errors="replace") as f:
             for line_no, text in enumerate(f, start=1):
@@ -193,7 +194,7 @@ def _result_id(raw: bytes) -> str | None:
     return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
 
 
-def result_record(job: BatchJob, out: RequestOutput) -> dict[str, Any]:
+def result_record(job: BatchRequest, out: RequestOutput) -> dict[str, Any]:
     c = out.outputs[0]
     record: dict[str, Any] = {
         "id": job.id,
@@ -234,7 +235,7 @@ def _count_lines(path: Path) -> int:
         return sum(1 for raw in f if raw.strip())
 
 
-def _encode(llm: LLM, job: BatchJob) -> list[int]:
+def _encode(llm: LLM, job: BatchRequest) -> list[int]:
     if job.prompt is not None:
         return llm.tokenizer.encode(job.prompt)
     try:
@@ -269,28 +270,32 @@ def run_batch(
     writer = ResultWriter(output_path, warn)
     lines = InputLines(input_path, defaults, base_seed, writer.done_ids, report)
     summary, start = BatchSummary(), time.perf_counter()
-    jobs = iter(lines)
-    in_flight: dict[str, BatchJob] = {}
+    in_flight: dict[str, BatchRequest] = {}
     seen_tokens: dict[str, int] = {}  # tokens counted so far per request, for the tok/s figure
+
+    def requests() -> Iterator[Request]:
+        for job in lines:
+            try:
+                prompt_ids = _encode(llm, job)
+            except ValueError as e:
+                lines.skip(LineError(job.line_no, str(e)))
+                continue
+            in_flight[job.key] = job
+            yield Request(job.key, prompt_ids, job.params, job.prompt)
+
+    def refused(request: Request, error: ValueError) -> None:
+        # e.g. a prompt longer than max_model_len: this line only
+        lines.skip(LineError(in_flight.pop(request.request_id).line_no, str(error)))
+
     try:
-        while True:
-            while len(in_flight) < limit and (job := next(jobs, None)) is not None:
-                try:
-                    engine.add_request(job.key, _encode(llm, job), job.params, job.prompt)
-                except ValueError as e:  # e.g. a prompt longer than max_model_len: this line only
-                    lines.skip(LineError(job.line_no, str(e)))
-                    continue
-                in_flight[job.key] = job
-            if not in_flight:
-                break
+        for outputs in drive(engine, requests(), limit, refused):
             finished = []
-            for out in engine.step():
+            for out in outputs:
                 n = len(out.outputs[0].token_ids)
                 summary.completion_tokens += n - seen_tokens.get(out.request_id, 0)
                 seen_tokens[out.request_id] = n
                 if out.finished:
                     finished.append(result_record(in_flight.pop(out.request_id), out))
-                    engine.release(out.request_id)
                     del seen_tokens[out.request_id]
             if finished:
                 writer.write(finished)

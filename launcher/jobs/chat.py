@@ -7,8 +7,8 @@ import select
 import sys
 from collections.abc import Callable, Iterable
 
-from moelaunch.launcher.engine.engine import run_to_completion
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.launcher.jobs.drive import run_to_completion
 from moelaunch.launcher.jobs.streaming import TextStreamer
 
 
