@@ -31,7 +31,7 @@ from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.loading import load_model
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
-from moelaunch.parallel.sharded_model import load_shard
+from moelaunch.parallel.parallelize import load_shard
 
 MB = 1 << 20
 # name: (dp, pp, tp); "full" is a single process running the unsharded loader.

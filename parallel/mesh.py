@@ -46,6 +46,17 @@ class MeshShape:
         """(pp_index, dp_index, tp_index) of a global rank."""
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
+    def groups(self) -> dict[str, list[list[int]]]:
+        """Every group of each family (named as ParallelMesh's fields), as mesh positions in group order."""
+        stages, replicas, slices = range(self.pp), range(self.dp), range(self.tp)
+        return {
+            "world": [list(range(self.world))],
+            "tp": [[self.rank(p, d, t) for t in slices] for p in stages for d in replicas],
+            "ep": [[self.rank(p, d, t) for d in replicas for t in slices] for p in stages],
+            "pp": [[self.rank(p, d, t) for p in stages] for d in replicas for t in slices],
+            "replica": [[self.rank(p, d, t) for p in stages for t in slices] for d in replicas],
+        }
+
 
 @dataclass
 class ParallelMesh:
@@ -86,8 +97,17 @@ class ParallelMesh:
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelMesh:
         """The one-process mesh: no process group needed."""
-        one = Group([0], 0, None)
-        return cls(MeshShape(), 0, one, one, one, one, one, torch.device(device), [0])
+        return cls.planned(MeshShape(), 0, device)
+
+    @classmethod
+    def planned(cls, shape: MeshShape, rank: int, device: torch.device | str = "meta") -> ParallelMesh:
+        """Mesh position `rank` without process groups: enough to build that rank's shard (its shapes)
+        before or without starting a job. Groups of more than one member cannot communicate."""
+        mine = {
+            name: next(Group(members, members.index(rank), None) for members in family if rank in members)
+            for name, family in shape.groups().items()
+        }
+        return cls(shape, rank, device=torch.device(device), global_ranks=list(range(shape.world)), **mine)
 
     @classmethod
     def build(
@@ -105,16 +125,8 @@ class ParallelMesh:
                 f"were started; start {shape.world} processes or change --dp/--pp/--tp"
             )
         timeout = datetime.timedelta(seconds=timeout_s)
-        s = shape
-        families = {
-            "world": [list(range(s.world))],
-            "tp": [[s.rank(p, d, t) for t in range(s.tp)] for p in range(s.pp) for d in range(s.dp)],
-            "ep": [[s.rank(p, d, t) for d in range(s.dp) for t in range(s.tp)] for p in range(s.pp)],
-            "pp": [[s.rank(p, d, t) for p in range(s.pp)] for d in range(s.dp) for t in range(s.tp)],
-            "replica": [[s.rank(p, d, t) for p in range(s.pp) for t in range(s.tp)] for d in range(s.dp)],
-        }
         mine: dict[str, Group] = {}
-        for name, groups in families.items():
+        for name, groups in shape.groups().items():
             for positions in groups:
                 members = [ranks[p] for p in positions]
                 # new_group is collective over the job: every process creates every group.
@@ -125,14 +137,4 @@ class ParallelMesh:
         if job_rank not in ranks:
             return None
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        return cls(
-            shape,
-            ranks.index(job_rank),
-            mine["tp"],
-            mine["ep"],
-            mine["pp"],
-            mine["replica"],
-            mine["world"],
-            torch.device(device),
-            ranks,
-        )
+        return cls(shape, ranks.index(job_rank), device=torch.device(device), global_ranks=ranks, **mine)

@@ -4,6 +4,8 @@ Module names stay the checkpoint's, so the ordinary loader fills it, reading onl
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moelaunch.model.attention import MLA
@@ -66,7 +68,7 @@ def _shard_layer(layer: DecoderLayer, args: ModelArgs, mesh: ParallelMesh, place
                 moe.shared_experts, args.hidden_size, args.n_shared_experts * args.moe_intermediate_size, tp
             )
         layer.mlp = moe
-    elif isinstance(layer.mlp, MLP):
+    else:
         _shard_mlp(layer.mlp, args.hidden_size, args.intermediate_size, tp)
 
 
@@ -77,7 +79,10 @@ def build_shard(
     check_layout(args, mesh.shape.tp, mesh.shape.ep, mesh.shape.pp)
     if args.n_routed_experts and placement is None:
         placement = ExpertPlacement.contiguous(args.n_routed_experts, mesh.shape.ep)
-    model = Transformer(args, with_mtp=with_mtp and mesh.is_last_stage)
+    # Every FFN built dense first, then MoE layers get their expert-parallel share: building all of a
+    # 671B model's routed experts only to drop them took seconds.
+    model = Transformer(replace(args, n_routed_experts=0), with_mtp=with_mtp and mesh.is_last_stage)
+    model.args = args
     stage_layers = assign_stages(args, mesh.shape.pp)[mesh.pp_index]
     for key in list(model.model.layers):
         if int(key) not in stage_layers:

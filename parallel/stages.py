@@ -3,23 +3,25 @@ their (much larger) expert weights, the embedding on the first stage and the hea
 
 from __future__ import annotations
 
+import torch
+
 from moelaunch.model.config import ModelArgs
+from moelaunch.model.transformer import DecoderLayer
 from moelaunch.parallel.mesh import LayoutError
 
 
-def layer_cost(args: ModelArgs, layer_id: int) -> int:
-    """Parameters of one decoder layer: what a stage must hold and, when decoding, stream per step."""
-    d = args.hidden_size
-    q = d * args.q_lora_rank + args.q_lora_rank * args.num_attention_heads * args.qk_head_dim
-    if not args.q_lora_rank:
-        q = d * args.num_attention_heads * args.qk_head_dim
-    kv = d * (args.kv_lora_rank + args.qk_rope_head_dim)
-    kv += args.kv_lora_rank * args.num_attention_heads * (args.qk_nope_head_dim + args.v_head_dim)
-    attn = q + kv + args.num_attention_heads * args.v_head_dim * d
-    if args.is_moe_layer(layer_id):
-        experts = args.n_routed_experts + args.n_shared_experts
-        return attn + 3 * d * args.moe_intermediate_size * experts + d * args.n_routed_experts
-    return attn + 3 * d * args.intermediate_size
+def layer_params(args: ModelArgs) -> list[int]:
+    """Parameters of each decoder layer, counted on the module itself: what a stage must hold and, when
+    decoding, stream per step. One layer of each kind (dense, MoE) is built, on the meta device."""
+    per_kind: dict[bool, int] = {}
+    counts = []
+    for i in range(args.num_hidden_layers):
+        moe = args.is_moe_layer(i)
+        if moe not in per_kind:
+            with torch.device("meta"):
+                per_kind[moe] = sum(p.numel() for p in DecoderLayer(args, i).parameters())
+        counts.append(per_kind[moe])
+    return counts
 
 
 def assign_stages(args: ModelArgs, pp: int) -> list[list[int]]:
@@ -28,7 +30,7 @@ def assign_stages(args: ModelArgs, pp: int) -> list[list[int]]:
     if pp > n:
         raise LayoutError(f"pp={pp} exceeds num_hidden_layers={n}: every stage needs a layer")
     embed = args.vocab_size * args.hidden_size
-    cost = [layer_cost(args, i) for i in range(n)]
+    cost = layer_params(args)
     cost[0] += embed
     cost[-1] += embed  # the LM head
     prefix = [0]

@@ -15,12 +15,12 @@ from moelaunch.launcher.deploy.plan import (
     MB,
     LaunchPlan,
     RankPlan,
-    Tensor,
-    WeightPart,
     build_plan,
     size_text,
 )
+from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, param_bytes, scale_blocks, tensor_bytes
 from moelaunch.parallel.mesh import LayoutError
+from moelaunch.parallel.shard_tensors import ShardTensor
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -171,13 +171,14 @@ def _stages_and_groups(plan: LaunchPlan) -> str:
 def _memory_by_hand(plan: LaunchPlan) -> str:
     r = plan.heaviest
     lines = [f"Memory of rank {r.rank} (the heaviest), by hand"]
+    width = max(len(t.name) for part in r.weight_parts for t in part.tensors)
     for part in r.weight_parts:
         unit = part.unit_bytes(plan.dtype, plan.block)
         lines.append(
             f"  {part.name}: {part.count_note} = {part.count} x {unit:,} B = "
             f"{part.nbytes(plan.dtype, plan.block):,} B"
         )
-        lines += [f"      {_tensor_line(t, plan)}" for t in part.tensors]
+        lines += [f"      {_tensor_line(t, plan, width)}" for t in part.tensors]
     a, e, v = plan.args, plan.config.engine, plan.value_bytes
     fraction = plan.config.cluster.memory_fraction
     unit, unit_name = _unit(plan)
@@ -196,15 +197,15 @@ def _memory_by_hand(plan: LaunchPlan) -> str:
     return "\n".join(lines)
 
 
-def _tensor_line(t: Tensor, plan: LaunchPlan) -> str:
+def _tensor_line(t: ShardTensor, plan: LaunchPlan, width: int) -> str:
     dims = " x ".join(
         f"{n}/{t.tp}" if i == t.split_dim and t.tp > 1 else str(n) for i, n in enumerate(t.full_shape)
     )
-    text = f"{t.name:<28} [{dims}] = {math.prod(t.shape):,} x {t.param_bytes(plan.dtype)} B"
-    if t.is_fp8(plan.dtype):
-        rows, cols = t.scale_blocks(plan.block)
+    text = f"{t.name:<{width}} [{dims}] = {math.prod(t.shape):,} x {param_bytes(t, plan.dtype)} B"
+    if is_fp8(t, plan.dtype):
+        rows, cols = scale_blocks(t, plan.block)
         text += f" + {rows} x {cols} scales x 4 B"
-    return f"{text} = {t.nbytes(plan.dtype, plan.block):,} B"
+    return f"{text} = {tensor_bytes(t, plan.dtype, plan.block):,} B"
 
 
 def plan_json(plan: LaunchPlan) -> dict[str, Any]:

@@ -3,12 +3,13 @@ how much device memory it needs. Built from the deployment file and the model's 
 starts nothing, so `launch plan` can check a 671B deployment on a laptop.
 
 Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
-- weights: what the rank holds. Its stage's layers; of those its 1/tp slice of attention heads (q_b, kv_b,
-  o_proj), dense MLPs, shared experts and vocab (embedding on the first stage, lm_head on the last); its
-  EP share of routed experts; and in full what every TP rank replicates (q_a and kv_a projections,
-  norms, the router gate). Bytes per parameter: float32 4, bfloat16 2; fp8 stores projections in 1 byte
-  plus one fp32 scale per 128x128 block and keeps embedding, lm_head, norms and gate in bf16. The router
-  bias is fp32 always. The MTP layer is not counted (it is loaded only for speculative decoding).
+- weights: the tensors of the rank's shard as the real builder makes it (parallel.build_shard, on the meta
+  device): its stage's layers; of those its 1/tp slice of attention heads (q_b, kv_b, o_proj), dense
+  MLPs, shared experts and vocab (embedding on the first stage, lm_head on the last); its EP share of
+  routed experts; and in full what every TP rank replicates (q_a and kv_a projections, norms, the router
+  gate). Bytes per parameter: float32 4, bfloat16 2; fp8 stores projections in 1 byte plus one fp32 scale
+  per 128x128 block and keeps embedding, lm_head, norms and gate in bf16. The router bias is fp32
+  always. The MTP layer is not counted (it is loaded only for speculative decoding).
 - KV cache: MLA caches (kv_lora_rank + qk_rope_head_dim) values per token per layer; every TP rank of a
   replica holds its replica's whole latent cache (the latent is shared by all heads), sized for
   engine.max_num_seqs sequences of engine.max_model_len tokens over the stage's layers. 2 bytes per value
@@ -18,18 +19,20 @@ Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
 
 from __future__ import annotations
 
-import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moelaunch.launcher.deploy.config import DeployConfig
+from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
-from moelaunch.parallel.sharded_model import check_layout
+from moelaunch.parallel.parallelize import check_layout
+from moelaunch.parallel.shard_tensors import shard_tensors
 from moelaunch.parallel.stages import assign_stages
 
 GB = 10**9
@@ -37,55 +40,6 @@ MB = 10**6
 # Hidden-sized buffers alive at once per step token: residual, normed input, attention and MLP outputs,
 # q/kv intermediates, and the MoE dispatch/combine send and receive copies; a round, generous figure.
 ACTIVATION_BUFFERS = 16
-
-
-@dataclass(frozen=True)
-class Tensor:
-    """One weight as a rank holds it: full_shape, cut into tp slices along split_dim (None: whole)."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    kind: str  # "proj": quantizable projection; "plain": 16-bit even under fp8; "fp32": always fp32
-    split_dim: int | None = None
-    tp: int = 1
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(n // self.tp if i == self.split_dim else n for i, n in enumerate(self.full_shape))
-
-    def is_fp8(self, dtype: str) -> bool:
-        return dtype == "fp8" and self.kind == "proj"
-
-    def param_bytes(self, dtype: str) -> int:
-        if self.kind == "fp32" or dtype == "float32":
-            return 4
-        return 1 if self.is_fp8(dtype) else 2
-
-    def scale_blocks(self, block: tuple[int, int]) -> tuple[int, int]:
-        rows, cols = self.shape
-        return math.ceil(rows / block[0]), math.ceil(cols / block[1])
-
-    def nbytes(self, dtype: str, block: tuple[int, int]) -> int:
-        size = math.prod(self.shape) * self.param_bytes(dtype)
-        if self.is_fp8(dtype):
-            size += math.prod(self.scale_blocks(block)) * 4
-        return size
-
-
-@dataclass(frozen=True)
-class WeightPart:
-    """`count` copies of the same tensors (one per layer, or per layer and expert) held by a rank."""
-
-    name: str
-    count: int
-    count_note: str
-    tensors: tuple[Tensor, ...]
-
-    def unit_bytes(self, dtype: str, block: tuple[int, int]) -> int:
-        return sum(t.nbytes(dtype, block) for t in self.tensors)
-
-    def nbytes(self, dtype: str, block: tuple[int, int]) -> int:
-        return self.count * self.unit_bytes(dtype, block)
 
 
 @dataclass(frozen=True)
@@ -139,14 +93,9 @@ class LaunchPlan:
         return value_bytes(self.dtype)
 
     def groups(self) -> dict[str, list[list[int]]]:
-        """The process groups the mesh forms (the same families as ParallelMesh.build)."""
-        s = self.mesh
-        return {
-            "tp": [[s.rank(p, d, t) for t in range(s.tp)] for p in range(s.pp) for d in range(s.dp)],
-            "dp_replica": [[s.rank(p, d, t) for p in range(s.pp) for t in range(s.tp)] for d in range(s.dp)],
-            "ep": [[s.rank(p, d, t) for d in range(s.dp) for t in range(s.tp)] for p in range(s.pp)],
-            "pp": [[s.rank(p, d, t) for p in range(s.pp)] for d in range(s.dp) for t in range(s.tp)],
-        }
+        """The process groups the mesh forms (those of ParallelMesh.build)."""
+        g = self.mesh.groups()
+        return {"tp": g["tp"], "dp_replica": g["replica"], "ep": g["ep"], "pp": g["pp"]}
 
     def verdict(self) -> str:
         r = self.heaviest
@@ -208,12 +157,13 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
         )
     placement = _placement(cfg, args, mesh.ep)
     stages = assign_stages(args, mesh.pp)
+    shards: dict[tuple[int, int], tuple[WeightPart, ...]] = {}
     ranks = [
-        _rank_plan(cfg, args, mesh, stages, placement, dtype, block, max_model_len, r)
+        _rank_plan(cfg, args, mesh, stages, placement, shards, dtype, block, max_model_len, r)
         for r in range(mesh.world)
     ]
     if dtype == "fp8":
-        _check_fp8_blocks(cfg, ranks[0], block)
+        _check_fp8_blocks(cfg, shards.values(), block)
     device_bytes = _device_bytes(cfg, device)
     return LaunchPlan(cfg, args, mesh, dtype, device, block, max_model_len, device_bytes, stages, ranks)
 
@@ -296,16 +246,22 @@ def _rank_plan(
     mesh: MeshShape,
     stages: list[list[int]],
     placement: ExpertPlacement | None,
+    shards: dict[tuple[int, int], tuple[WeightPart, ...]],
     dtype: str,
     block: tuple[int, int],
     max_model_len: int,
     rank: int,
 ) -> RankPlan:
+    """`shards` caches weight parts by (stage, experts held): ranks alike in both hold the same shapes,
+    so one shard is built on the meta device for all of them."""
     pp, dp, tp = mesh.coords(rank)
     ep = rank % mesh.ep  # position in its stage's EP group (dp-major, tp-minor)
     layers = stages[pp]
     experts = placement.experts_of(ep) if placement else []
-    parts = rank_weights(args, mesh.tp, layers, pp == 0, pp == mesh.pp - 1, len(experts))
+    key = (pp, len(experts))
+    if key not in shards:
+        shards[key] = weight_parts(shard_tensors(args, mesh, rank, placement))
+    parts = shards[key]
     v, e = value_bytes(dtype), cfg.engine
     kv = (args.kv_lora_rank + args.qk_rope_head_dim) * v * len(layers) * max_model_len * e.max_num_seqs
     activations = e.max_num_batched_tokens * args.hidden_size * v * ACTIVATION_BUFFERS
@@ -327,86 +283,15 @@ def _rank_plan(
     )
 
 
-def rank_weights(
-    args: ModelArgs, tp: int, layers: list[int], first: bool, last: bool, n_experts: int
-) -> tuple[WeightPart, ...]:
-    """The weights one rank holds, grouped into parts a reader can multiply out by hand."""
-    d, vocab = args.hidden_size, args.vocab_size
-    n_moe = sum(args.is_moe_layer(i) for i in layers)
-    n_dense = len(layers) - n_moe
-    router = [Tensor("gate.weight", (args.n_routed_experts, d), "plain")]
-    if args.uses_expert_bias:
-        router.append(Tensor("gate.e_score_correction_bias", (args.n_routed_experts,), "fp32"))
-    shared = _mlp("shared_experts", d, args.n_shared_experts * args.moe_intermediate_size, tp)
-    parts = [
-        WeightPart(
-            "embedding", int(first), "first stage", (Tensor("embed_tokens", (vocab, d), "plain", 0, tp),)
-        ),
-        WeightPart("attention + norms", len(layers), f"{len(layers)} layers", _attention(args, tp)),
-        WeightPart(
-            "dense MLP", n_dense, f"{n_dense} dense layers", _mlp("mlp", d, args.intermediate_size, tp)
-        ),
-        WeightPart(
-            "router + shared experts",
-            n_moe,
-            f"{n_moe} MoE layers",
-            tuple(router) + (shared if args.n_shared_experts else ()),
-        ),
-        WeightPart(
-            "routed experts",
-            n_moe * n_experts,
-            f"{n_moe} MoE layers x {n_experts} experts",
-            _mlp("expert", d, args.moe_intermediate_size, 1),
-        ),
-        WeightPart(
-            "final norm + lm_head",
-            int(last),
-            "last stage",
-            (Tensor("norm", (d,), "plain"), Tensor("lm_head", (vocab, d), "plain", 0, tp)),
-        ),
-    ]
-    return tuple(part for part in parts if part.count)
-
-
-def _attention(args: ModelArgs, tp: int) -> tuple[Tensor, ...]:
-    d, h = args.hidden_size, args.num_attention_heads
-    if args.q_lora_rank:
-        query = [
-            Tensor("q_a_proj", (args.q_lora_rank, d), "proj"),
-            Tensor("q_a_layernorm", (args.q_lora_rank,), "plain"),
-            Tensor("q_b_proj", (h * args.qk_head_dim, args.q_lora_rank), "proj", 0, tp),
-        ]
-    else:
-        query = [Tensor("q_proj", (h * args.qk_head_dim, d), "proj", 0, tp)]
-    return (
-        *query,
-        Tensor("kv_a_proj_with_mqa", (args.kv_lora_rank + args.qk_rope_head_dim, d), "proj"),
-        Tensor("kv_a_layernorm", (args.kv_lora_rank,), "plain"),
-        Tensor(
-            "kv_b_proj", (h * (args.qk_nope_head_dim + args.v_head_dim), args.kv_lora_rank), "proj", 0, tp
-        ),
-        Tensor("o_proj", (d, h * args.v_head_dim), "proj", 1, tp),
-        Tensor("input_layernorm", (d,), "plain"),
-        Tensor("post_attention_layernorm", (d,), "plain"),
-    )
-
-
-def _mlp(prefix: str, d: int, inter: int, tp: int) -> tuple[Tensor, ...]:
-    return (
-        Tensor(f"{prefix}.gate_proj", (inter, d), "proj", 0, tp),
-        Tensor(f"{prefix}.up_proj", (inter, d), "proj", 0, tp),
-        Tensor(f"{prefix}.down_proj", (d, inter), "proj", 1, tp),
-    )
-
-
-def _check_fp8_blocks(cfg: DeployConfig, rank: RankPlan, block: tuple[int, int]) -> None:
+def _check_fp8_blocks(
+    cfg: DeployConfig, shards: Iterable[tuple[WeightPart, ...]], block: tuple[int, int]
+) -> None:
     """FP8 scales cover 128x128 blocks; a TP slice must not cut through one (the loader refuses it)."""
-    for part in rank.weight_parts:
-        for t in part.tensors:
-            if t.kind == "proj" and t.split_dim is not None and t.shape[t.split_dim] % block[t.split_dim]:
-                full = t.full_shape[t.split_dim]
-                raise LayoutError(
-                    f"{cfg.source}: dtype fp8 with parallel.tp={t.tp}: {t.name}'s slice {full}/{t.tp} = "
-                    f"{t.shape[t.split_dim]} is not a multiple of the {block[t.split_dim]}-wide FP8 scale "
-                    "block: choose a tp that keeps slices block-aligned, or dtype bfloat16"
-                )
+    for t in (t for parts in shards for part in parts for t in part.tensors):
+        split = t.split_dim
+        if is_fp8(t, "fp8") and t.tp > 1 and t.shape[split] % block[split]:
+            raise LayoutError(
+                f"{cfg.source}: dtype fp8 with parallel.tp={t.tp}: {t.name}'s slice {t.full_shape[split]}/"
+                f"{t.tp} = {t.shape[split]} is not a multiple of the {block[split]}-wide FP8 scale block: "
+                "choose a tp that keeps slices block-aligned, or dtype bfloat16"
+            )
