@@ -54,7 +54,7 @@ class MeshShape:
             "tp": [[self.rank(p, d, t) for t in slices] for p in stages for d in replicas],
             "ep": [[self.rank(p, d, t) for d in replicas for t in slices] for p in stages],
             "pp": [[self.rank(p, d, t) for p in stages] for d in replicas for t in slices],
-            "replica": [[self.rank(p, d, t) for p in stages for t in slices] for d in replicas],
+            "dp_replica": [[self.rank(p, d, t) for p in stages for t in slices] for d in replicas],
         }
 
 
@@ -65,7 +65,7 @@ class ParallelMesh:
     tp: Group  # same stage and replica: attention heads, dense MLP, vocab
     ep: Group  # same stage: routed experts, token all-to-all
     pp: Group  # same replica and tp index, across stages: hidden states
-    replica: Group  # same replica: every stage and tp rank (sampled tokens)
+    dp_replica: Group  # same DP replica: every stage and tp rank (sampled tokens)
     world: Group
     device: torch.device
     global_ranks: list[int]  # job rank of each mesh position

@@ -95,7 +95,7 @@ class LaunchPlan:
     def groups(self) -> dict[str, list[list[int]]]:
         """The process groups the mesh forms (those of ParallelMesh.build)."""
         g = self.mesh.groups()
-        return {"tp": g["tp"], "dp_replica": g["replica"], "ep": g["ep"], "pp": g["pp"]}
+        return {family: g[family] for family in ("tp", "dp_replica", "ep", "pp")}
 
     def verdict(self) -> str:
         r = self.heaviest

@@ -121,7 +121,7 @@ class ModelRunner:
     def _share(self, plan: list[ScheduledChunk], results: dict[int, StepResult]) -> dict[int, StepResult]:
         """Broadcast the last stage's results to the whole replica (every rank must update alike)."""
         mesh = self.mesh
-        if mesh.replica.size == 1:
+        if mesh.dp_replica.size == 1:
             return results
         ids = [c.seq.seq_id for c in plan if c.samples]
         width = MAX_DRAFT + 2  # tokens (up to MAX_DRAFT + 1) and one draft, -1 padded
@@ -132,8 +132,8 @@ class ModelRunner:
                 table[i, : len(r.tokens)] = torch.tensor([t.token for t in r.tokens])
                 table[i, -1] = r.draft[0] if r.draft else -1
         source = (mesh.shape.pp - 1) * mesh.shape.tp  # last stage, tp index 0, in replica order
-        table = mesh.replica.broadcast(table.to(mesh.device), source).cpu()
-        if mesh.replica.index == source:
+        table = mesh.dp_replica.broadcast(table.to(mesh.device), source).cpu()
+        if mesh.dp_replica.index == source:
             return results  # the source keeps its log-probabilities; the table is what it sent
         shared = {}
         for i, seq_id in enumerate(ids):
