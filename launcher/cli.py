@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "convert": "moelaunch.launcher.commands.convert",
     "eval": "moelaunch.launcher.commands.eval",
     "plan": "moelaunch.launcher.commands.plan",
+    "serve": "moelaunch.launcher.commands.serve",
     "slurm": "moelaunch.launcher.commands.slurm",
 }
 

@@ -24,7 +24,9 @@ class EngineProxy:
 
     def __init__(self, group: RayGroup) -> None:
         self._group = group
-        self.config = group.call("config")  # fixed for the engine's life: read it once
+        # Fixed for the engine's life: read once.
+        self.config = group.call("config")
+        self.max_model_len = group.call("max_model_len")
 
     def add_request(self, *args: Any) -> None:
         self._group.call("add_request", *args)
@@ -43,6 +45,10 @@ class EngineProxy:
 
     def keepalive(self) -> None:
         self._group.call("keepalive")
+
+    @property
+    def stats(self):
+        return self._group.call("stats")
 
 
 class RayLLM:

@@ -131,9 +131,25 @@ class BenchJob(_Strict):
 
 
 class ServeJob(_Strict):
+    """An OpenAI-compatible HTTP server on rank 0 (its settings: the `server` section)."""
+
     mode: Literal["serve"]
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+
+
+class ServerConfig(_Strict):
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes every interface"
+    )
+    port: int = Field(8000, ge=0, le=65535, description="0 picks a free port (printed on start)")
+    api_key: str | None = Field(
+        None, min_length=1, description="Bearer token every route but /health requires (or MOELAUNCH_API_KEY)"
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, description="the model id; default: the dir name"
+    )
+    max_queue: int = Field(256, ge=0, description="requests waiting beyond the running batches; more get 429")
+    max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted (413 beyond)")
+    log_interval_s: float = Field(10.0, gt=0, description="seconds between throughput / cache-use log lines")
 
 
 JobConfig = Annotated[ChatJob | BatchJob | BenchJob | ServeJob, Field(discriminator="mode")]
@@ -152,6 +168,7 @@ class DeployConfig(_Strict):
     engine: EngineConfig = Field(default_factory=lambda: EngineConfig(max_num_seqs=DEPLOYMENT_MAX_NUM_SEQS))
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     job: JobConfig = Field(default_factory=ChatJob)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     _source: str = PrivateAttr("<config>")
 
     @field_validator("engine", mode="before")

@@ -22,6 +22,7 @@ from moelaunch.launcher.engine.outputs import CompletionOutput, RequestMetrics, 
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.launcher.engine.sequence import Sequence
+from moelaunch.launcher.engine.stats import EngineStats
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.tokenizer import Tokenizer
 from moelaunch.parallel.expert_parallel import ExpertPlacement
@@ -110,6 +111,7 @@ class LLMEngine:
         micro = self.config.micro_batches or mesh.shape.pp
         self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp)
         self.spec_stats = SpecStats()
+        self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
         self.seqs: dict[int, Sequence] = {}
         # Front-end state, meaningful on rank 0 only.
         self.requests: dict[str, _RequestState] = {}
@@ -139,6 +141,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model.args.vocab_size
+        outside = [t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab]
+        if outside:
+            raise ValueError(
+                f"request {request_id!r}: token id {outside[0]!r} is not in the vocabulary "
+                f"(ids 0..{vocab - 1})"
+            )
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"request {request_id!r}: stop strings need the tokenizer, which skip_tokenizer_init=True "
@@ -286,14 +295,34 @@ class LLMEngine:
         del self.seqs[seq.seq_id]
 
     def _gather(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
-        """Rank 0 collects every replica's updates, as its reporter rank saw them."""
+        """Rank 0 collects every replica's updates and stats, as its reporter rank saw them."""
         mesh = self.mesh
         if mesh.world.size == 1:
+            self.stats = self._replica_stats()
             return updates
         reporter = mesh.is_last_stage and mesh.tp_index == 0
+        mine = (updates, self._replica_stats()) if reporter else None
         parts = [None] * mesh.world.size if mesh.rank == 0 else None
-        dist.gather_object(updates if reporter else [], parts, dst=mesh.global_ranks[0], group=mesh.world.pg)
-        return [u for part in parts for u in part] if mesh.rank == 0 else []
+        dist.gather_object(mine, parts, dst=mesh.global_ranks[0], group=mesh.world.pg)
+        if mesh.rank != 0:
+            return []
+        reports = [part for part in parts if part is not None]
+        self.stats = sum((stats for _, stats in reports), EngineStats())
+        return [u for part_updates, _ in reports for u in part_updates]
+
+    def _replica_stats(self) -> EngineStats:
+        s, blocks = self.scheduler, self.blocks
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free,
+            kv_blocks_total=blocks.num_blocks,
+            prompt_tokens_admitted=s.admitted_tokens,
+            prefix_hit_tokens=blocks.stats.prefix_hit_tokens,
+            preemptions=s.preemptions,
+            spec_drafted=self.spec_stats.drafted,
+            spec_accepted=self.spec_stats.accepted,
+        )
 
     # ---- rank 0: turn updates into outputs ----
     def _apply(self, updates: list[SeqUpdate]) -> list[RequestOutput]:

@@ -39,6 +39,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.admitted_tokens = 0  # prompt tokens of admitted sequences (the prefix cache's queries)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,6 +81,7 @@ class Scheduler:
         seq.block_hashes = self._chain(seq, len(cached))
         seq.num_computed = n_cached
         seq.status = SeqStatus.RUNNING
+        self.admitted_tokens += seq.num_tokens
         return ScheduledChunk(seq, n_cached, n, draft)
 
     @staticmethod

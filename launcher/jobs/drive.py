@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from moelaunch.launcher.engine.outputs import RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 
+_END = object()
+
 
 @dataclass(frozen=True)
 class Request:
@@ -24,24 +26,28 @@ class Request:
 
 def drive(
     engine,
-    requests: Iterable[Request] = (),
+    requests: Iterable[Request | None] = (),
     max_in_flight: int | None = None,
     on_refused: Callable[[Request, ValueError], None] | None = None,
 ) -> Iterator[list[RequestOutput]]:
     """Step the engine until nothing is left; yields each step's outputs (finished ones released).
 
     requests are read lazily, at most max_in_flight of them in the engine at once, so a huge input never
-    sits in memory. A request the engine refuses (too long, bad parameters) goes to on_refused, which
-    reports it and lets the rest run; without on_refused the ValueError propagates.
+    sits in memory. A live source (the server's) yields None for "nothing new now": the engine steps
+    what it has, and the source is asked again (it may block while the engine is idle). A request the
+    engine refuses (too long, bad parameters) goes to on_refused, which reports it and lets the rest
+    run; without on_refused the ValueError propagates.
     """
     pending = iter(requests)
     in_flight = 0
     exhausted = False
     while True:
         while not exhausted and (max_in_flight is None or in_flight < max_in_flight):
-            request = next(pending, None)
-            if request is None:
+            request = next(pending, _END)
+            if request is _END:
                 exhausted = True
+                break
+            if request is None:
                 break
             try:
                 engine.add_request(request.request_id, request.prompt_ids, request.params, request.prompt)
@@ -52,7 +58,9 @@ def drive(
                 continue
             in_flight += 1
         if not engine.has_unfinished():
-            return
+            if exhausted:
+                return
+            continue
         outputs = engine.step()
         for out in outputs:
             if out.finished:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from moelaunch.launcher.api import LLM
+from moelaunch.launcher.bundled.capabilities import capabilities_line
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.launcher.engine.launch import EngineSpec
@@ -56,6 +57,8 @@ def run_chat(client: LLM, cfg: DeployConfig) -> int:
             temperature=job.temperature, top_p=job.top_p, max_tokens=job.max_tokens, seed=turn
         )
 
+    if (line := capabilities_line(cfg.model)) is not None:
+        print(line)
     if sys.stdin.isatty():
         print("Chat (/clear resets the conversation, /exit quits).")
         idle_s = cfg.cluster.timeouts.collective_s / 3
@@ -106,10 +109,17 @@ def run_bench_job(client: LLM, cfg: DeployConfig) -> int:
     return 0
 
 
+def run_serve_job(client: LLM, cfg: DeployConfig) -> int:
+    from moelaunch.launcher.serve.run import run_serve
+
+    return run_serve(client, cfg)
+
+
 MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {
     "chat": run_chat,
     "batch": run_batch_job,
     "bench": run_bench_job,
+    "serve": run_serve_job,
 }
 
 

@@ -1,0 +1,72 @@
+"""The HTTP application: routes, the API key check, errors in OpenAI's shape.
+
+Every route but /health needs `Authorization: Bearer KEY` when a key is set. /health answers 200 only
+while the engine thread answers (every rank up, no failure); /metrics is Prometheus' text format.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from moelaunch.launcher.serve import handlers, responses
+from moelaunch.launcher.serve.handlers import APIError, ServerState
+
+HEALTH_TIMEOUT_S = 5.0
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="moelaunch", docs_url=None, redoc_url=None, openapi_url=None)
+    created = int(time.time())
+
+    @app.middleware("http")
+    async def require_key(request: Request, call_next):
+        if state.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+                state.metrics.requests.labels("401").inc()
+                return APIError(401, "missing or wrong API key: send Authorization: Bearer KEY").response()
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        state.metrics.requests.labels(str(error.status)).inc()
+        return error.response()
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, error: Exception) -> JSONResponse:
+        body = responses.error_body(
+            f"no route {request.method} {request.url.path}", "not_found_error", None, 404
+        )
+        return JSONResponse(body, 404)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if await state.engine_loop.ping(HEALTH_TIMEOUT_S):
+            return JSONResponse({"status": "ok"})
+        failure = state.engine_loop.failure
+        return JSONResponse({"status": "unavailable", "error": str(failure) if failure else "no answer"}, 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": state.model_name, "object": "model", "created": created, "owned_by": "moelaunch",
+                "max_model_len": state.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handlers.chat_completions(state, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handlers.completions(state, request)
+
+    return app

@@ -1,0 +1,313 @@
+"""`launch serve` as clients use it: the official `openai` client against a running server on a 2-rank
+layout (local backend, tp=2), compared with the offline LLM API; errors, the API key, streaming, a
+client that disconnects, metrics, a quiet server outliving the collective timeout, and a rank failure."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from tiny_models import add_byte_tokenizer, make_hf_model
+
+from moelaunch.cluster.rendezvous import free_port
+from moelaunch.launcher import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+MODEL = "tiny-served"
+COLLECTIVE_S = 6  # the server must keep its worker rank alive through longer quiet spells
+PROMPTS = ["hello", "What is 2+2?", "abc", "the quick brown fox", "x", "tell me"]
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return add_byte_tokenizer(make_hf_model(tmp_path_factory.mktemp("serve"), "v3", num_hidden_layers=2))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    port = free_port()
+    config = tmp_path_factory.mktemp("serve-config") / "serve.yaml"
+    config.write_text(
+        f"model: {checkpoint}\n"
+        "parallel: {tp: 2}\n"
+        "engine: {max_num_seqs: 4, max_model_len: 256}\n"
+        "cluster: {backend: local, devices_per_node: 2, device: cpu, timeouts: {collective_s: %d}}\n"
+        "server: {port: %d, api_key: %s, served_model_name: %s, max_queue: 3, max_body_bytes: 20000,"
+        " log_interval_s: 1}\n" % (COLLECTIVE_S, port, KEY, MODEL)
+    )
+    log = config.with_suffix(".log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "moelaunch.launcher.cli", "serve", str(config)], stdout=out, stderr=out
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"the server did not come up:\n{log.read_text()}"
+        time.sleep(0.5)
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    yield {"url": url, "proc": proc, "log": log, "workers": workers}
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the server did not stop on SIGINT:\n{log.read_text()}")
+    _, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive, "a worker rank outlived the server"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    """The same prompts through the offline API in one process: what the server must answer."""
+    with LLM(str(checkpoint), kv_cache_memory=2_000_000, max_model_len=256) as llm:
+        chats = llm.chat(
+            [[{"role": "user", "content": p}] for p in PROMPTS], SamplingParams(temperature=0, max_tokens=12)
+        )
+        texts = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+    return [o.outputs[0].text for o in chats], [o.outputs[0].text for o in texts]
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server['url']}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    values = [float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    assert values, f"{name} is not in /metrics"
+    return sum(values)
+
+
+def test_concurrent_greedy_answers_equal_the_offline_api(client, offline):
+    chat_expected, text_expected = offline
+
+    def chat(prompt: str) -> str:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=12
+        )
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(chat, PROMPTS)) == chat_expected
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[:3], temperature=0, max_tokens=8)
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == text_expected[:3]
+
+
+def test_streaming_with_usage_gives_the_whole_answer(client, offline):
+    chat_expected, _ = offline
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[1]}],
+        temperature=0,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_expected[1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+
+
+def test_stop_strings_streamed_and_whole_agree(client, offline):
+    _, text_expected = offline
+    full = text_expected[3]
+    stop = full[3:5]
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], temperature=0, max_tokens=8, stop=[stop]
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPTS[3], temperature=0, max_tokens=8, stop=[stop], stream=True
+    )
+    pieces = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert whole.choices[0].text == pieces == full[: full.find(stop)]
+    assert whole.choices[0].finish_reason == "stop"
+
+
+def test_seeded_samples_repeat_and_n_gives_n_choices(client):
+    def ask() -> list[str]:
+        reply = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            temperature=1.0,
+            seed=7,
+            n=3,
+            max_tokens=10,
+        )
+        assert [c.index for c in reply.choices] == [0, 1, 2]
+        return [c.message.content for c in reply.choices]
+
+    first = ask()
+    assert ask() == first and len(set(first)) > 1
+
+
+def test_logprobs_in_both_shapes(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    text = client.completions.create(model=MODEL, prompt="hi", max_tokens=4, logprobs=3, temperature=0)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == text.usage.completion_tokens
+    # Greedy: each chosen token is the most likely one.
+    rows = list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
+    assert all(top[token] == chosen == max(top.values()) for token, chosen, top in rows)
+
+
+def test_models_and_token_id_prompts(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    reply = client.completions.create(model=MODEL, prompt=[0, 104, 105], max_tokens=3, temperature=0)
+    assert reply.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "named"),
+    [
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            400,
+            "temperature",
+        ),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": "2"}, 400, "n"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frobnicate": 1},
+            400,
+            "frobnicate",
+        ),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10_000}, 400, "256"),
+        ({"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4"),
+    ],
+    ids=["range", "type", "unknown", "empty", "context", "model"],
+)
+def test_bad_requests_get_openai_errors(server, body, status, named):
+    done = httpx.post(
+        f"{server['url']}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert done.status_code == status
+    error = done.json()["error"]
+    assert named in error["message"] and error["code"] == status and error["type"]
+
+
+def test_raw_protocol_errors(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = f"{server['url']}/v1/completions"
+    assert httpx.post(url, content=b"{not json", headers=auth).status_code == 400
+    assert httpx.post(url, content=b"x" * 30_000, headers=auth).status_code == 413
+    out_of_vocab = httpx.post(url, json={"model": MODEL, "prompt": [1, 10**6]}, headers=auth)
+    assert out_of_vocab.status_code == 400 and "vocabulary" in out_of_vocab.json()["error"]["message"]
+    assert httpx.post(url, json={"model": MODEL, "prompt": "x"}).status_code == 401
+    assert (
+        httpx.get(f"{server['url']}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    )
+    assert httpx.get(f"{server['url']}/health").status_code == 200  # no key needed
+
+
+def test_a_full_queue_answers_429_and_the_server_recovers(server, client):
+    # Capacity: max_num_seqs 4 x dp 1 + max_queue 3 = 7 outstanding requests.
+    def long_request(_: int) -> int:
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 120, "ignore_eos": True}
+        headers = {"Authorization": f"Bearer {KEY}"}
+        return httpx.post(
+            f"{server['url']}/v1/completions", json=body, headers=headers, timeout=120
+        ).status_code
+
+    with ThreadPoolExecutor(10) as pool:
+        statuses = list(pool.map(long_request, range(10)))
+    assert statuses.count(200) >= 7 and 429 in statuses
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].finish_reason
+
+
+def test_a_client_that_disconnects_frees_its_blocks(server):
+    tokens_before = metric(server, "moelaunch_generation_tokens_total")
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 240, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", f"{server['url']}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    ) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+    deadline = time.monotonic() + 20
+    while metric(server, "moelaunch_kv_cache_usage_ratio") > 0 or metric(
+        server, "moelaunch_num_requests_running"
+    ):
+        assert time.monotonic() < deadline, "the aborted request kept its KV blocks"
+        time.sleep(0.3)
+    assert metric(server, 'moelaunch_requests_total{status="aborted"}') >= 1
+    assert metric(server, "moelaunch_generation_tokens_total") - tokens_before < 240  # stopped early
+
+
+def test_metrics_move_as_requests_are_served(server, client):
+    before = (
+        metric(server, "moelaunch_generation_tokens_total"),
+        metric(server, "moelaunch_e2e_request_latency_seconds_count"),
+    )
+    client.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = (
+        metric(server, "moelaunch_generation_tokens_total"),
+        metric(server, "moelaunch_e2e_request_latency_seconds_count"),
+    )
+    assert after[0] - before[0] == 5 and after[1] - before[1] == 1
+    for name in (
+        "moelaunch_time_to_first_token_seconds_count",
+        "moelaunch_prompt_tokens_total",
+        "moelaunch_prefix_cache_queries_total",
+        "moelaunch_inter_token_latency_seconds_count",
+    ):
+        assert metric(server, name) > 0
+    assert "serve: " in server["log"].read_text()  # the periodic throughput line
+
+
+def test_a_quiet_server_outlives_the_collective_timeout(server, client):
+    time.sleep(COLLECTIVE_S + 3)
+    assert httpx.get(f"{server['url']}/health").status_code == 200
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_the_readme_client_snippet_works_as_written(server):
+    text = README.read_text()
+    snippet = text[text.index("# pip install openai; against `launch serve`") :].split("```")[0]
+    port = server["url"].rsplit(":", 1)[1]
+    snippet = snippet.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1")
+    snippet = snippet.replace('api_key="none"', f'api_key="{KEY}"').replace(
+        'model="small"', f'model="{MODEL}"'
+    )
+    done = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_dead_rank_turns_the_server_unavailable(server, client):
+    """Last: it breaks the server. The rank-1 worker is killed; rank 0's next collective fails."""
+    workers = [p for p in server["workers"] if "moelaunch.launcher.engine.worker" in " ".join(p.cmdline())]
+    assert workers, "no worker rank found"
+    workers[0].kill()
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert failed.value.status_code == 503
+    health = httpx.get(f"{server['url']}/health")
+    assert health.status_code == 503 and json.loads(health.text)["status"] == "unavailable"
