@@ -301,6 +301,24 @@ def test_the_readme_client_snippet_works_as_written(server):
     assert done.returncode == 0, done.stderr
 
 
+def test_bench_serve_measures_the_server(server, tmp_path):
+    out = tmp_path / "load.json"
+    load = "--num-prompts 6 --input-len 8 --output-len 5 --max-concurrency 3 --request-rate 50".split()
+    args = ["bench", "serve", "--url", server["url"], "--api-key", KEY, *load, "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-m", "moelaunch.launcher.cli", *args], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["output_tokens"]) == (6, 0, 30)
+    assert result["prompt_tokens"] == 6 * 8 and result["model"] == MODEL
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        spread = result[name]
+        assert 0 < spread["median"] <= spread["p99"], name
+    assert result["ttft_ms"]["mean"] < result["e2el_ms"]["mean"]
+    assert "TTFT" in done.stdout and "request throughput" in done.stdout
+
+
 def test_a_dead_rank_turns_the_server_unavailable(server, client):
     """Last: it breaks the server. The rank-1 worker is killed; rank 0's next collective fails."""
     workers = [p for p in server["workers"] if "moelaunch.launcher.engine.worker" in " ".join(p.cmdline())]

