@@ -141,3 +141,18 @@ def test_resume_after_sigkill_gives_every_id_once(checkpoint, tmp_path):
     }
     ref = expected(checkpoint, {r["id"]: r["prompt"] for r in lines}, params)
     assert {k: (r["token_ids"], r["text"]) for k, r in results.items()} == ref
+
+
+def test_batch_logs_throughput_and_cache_use(checkpoint, tmp_path, capsys, monkeypatch):
+    from moelaunch.launcher.jobs import batch
+
+    monkeypatch.setattr(batch, "PROGRESS_LOG_INTERVAL_S", 0.0)  # a line after every step
+    prompts = write_jsonl(
+        tmp_path / "in.jsonl", [{"id": i, "prompt": "hi", "max_tokens": 3} for i in range(3)]
+    )
+    with LLM(checkpoint, kv_cache_memory=int(KV)) as llm:
+        summary = batch.run_batch(llm, prompts, tmp_path / "out.jsonl", {"temperature": 0}, progress=False)
+    assert summary.done == 3
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch: ")]
+    assert lines and all("tok/s generated" in line and "KV cache" in line for line in lines)
+    assert "running 0, waiting 0" in lines[-1]  # the last step's stats: everything finished

@@ -31,6 +31,7 @@ from moelaunch.launcher.engine.engine import LLMEngine
 from moelaunch.launcher.engine.outputs import RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.drive import Request, drive
+from moelaunch.launcher.jobs.progress_log import ProgressLog
 
 # Per-line sampling fields and the JSON types each accepts. `n` is absent on purpose: an output line
 # holds one completion (repeat the line with other ids for more samples).
@@ -47,6 +48,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "logprobs": (int, type(None)),
 }
 REQUEST_FIELDS = {"id", "prompt", "messages"}
+PROGRESS_LOG_INTERVAL_S = 10.0  # a throughput and cache-use line this often, beside the progress bar
 
 
 class LineError(ValueError):
@@ -268,6 +270,7 @@ def run_batch(
         tqdm.write(message, file=sys.stderr)
 
     writer = ResultWriter(output_path, warn)
+    log = ProgressLog("batch", PROGRESS_LOG_INTERVAL_S, tqdm.write)
     lines = InputLines(input_path, defaults, base_seed, writer.done_ids, report)
     summary, start = BatchSummary(), time.perf_counter()
     in_flight: dict[str, BatchRequest] = {}
@@ -289,14 +292,17 @@ def run_batch(
 
     try:
         for outputs in drive(engine, requests(), limit, refused):
-            finished = []
+            finished, new_tokens = [], 0
             for out in outputs:
                 n = len(out.outputs[0].token_ids)
-                summary.completion_tokens += n - seen_tokens.get(out.request_id, 0)
+                new_tokens += n - seen_tokens.get(out.request_id, 0)
                 seen_tokens[out.request_id] = n
                 if out.finished:
                     finished.append(result_record(in_flight.pop(out.request_id), out))
                     del seen_tokens[out.request_id]
+            summary.completion_tokens += new_tokens
+            log.count(new_tokens, len(finished))
+            log.maybe_write(lambda: engine.stats)
             if finished:
                 writer.write(finished)
                 summary.done += len(finished)

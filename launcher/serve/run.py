@@ -32,7 +32,7 @@ def run_serve(client, cfg: DeployConfig) -> int:
 
     def on_stats(stats: EngineStats) -> None:
         metrics.engine_stats(stats)
-        log.maybe_write(stats)
+        log.maybe_write(lambda: stats)
 
     engine = client.engine
     capacity = engine.config.max_num_seqs * cfg.parallel.dp + s.max_queue
