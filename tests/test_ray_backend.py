@@ -13,8 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from ray_nodes import REPO, isolated_network, netns_prefix, node_env, start_raylet, two_hosts
@@ -29,6 +31,7 @@ from moelaunch.cluster.rendezvous import free_port  # noqa: E402
 from moelaunch.launcher import LLM, SamplingParams  # noqa: E402
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config  # noqa: E402
 from moelaunch.launcher.ray_client import RayLLM  # noqa: E402
+from moelaunch.model.tokenizer import Tokenizer  # noqa: E402
 
 needs_private_net = pytest.mark.skipif(
     not isolated_network(), reason="Ray tests run inside a network namespace with only lo (see .ci/run)"
@@ -205,6 +208,54 @@ def test_two_raylets_tp2_dp2_match_one_process(tmp_path, checkpoint, reference, 
     assert table[0][0] == table[1][0] != table[2][0] == table[3][0]
     assert {table[0][0], table[2][0]} == {"127.0.0.1", "127.0.0.2"}
     assert_gone([pid for _, pid in table.values()])
+
+
+@pytest.mark.slow
+def test_serve_on_two_raylets_tp2_dp2_matches_one_process(tmp_path, checkpoint, reference, loopback_cluster):
+    """`launch serve` on the Ray backend: concurrent clients get one process's greedy answers."""
+    address, _ = loopback_cluster
+    port = free_port()
+    config = deployment(tmp_path, checkpoint, address, job={"mode": "serve"}, server={"port": port})
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moelaunch.launcher.cli", str(config)],
+            cwd=REPO,
+            env=node_env(),
+            stderr=out,
+        )
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 120
+        while not _healthy(url):
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+
+        def ask(prompt: object) -> str:
+            route, field = (
+                ("completions", "prompt") if isinstance(prompt, str) else ("chat/completions", "messages")
+            )
+            body = {"model": Path(checkpoint).name, field: prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+            choice = httpx.post(f"{url}/{route}", json=body, timeout=60).json()["choices"][0]
+            return choice["text"] if isinstance(prompt, str) else choice["message"]["content"]
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = dict(zip(PROMPTS, pool.map(ask, PROMPTS.values()), strict=True))
+        tokenizer = Tokenizer.from_dir(checkpoint)
+        assert answers == {k: tokenizer.decode(ids) for k, ids in reference.items()}
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=60)
+    stderr = log.read_text()
+    assert server.returncode == 0, stderr[-3000:]
+    assert_gone([pid for _, pid in rank_table(stderr).values()])
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url.removesuffix("/v1") + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 @pytest.mark.slow

@@ -165,7 +165,8 @@ class EngineLoop:
             for outputs in drive(self.engine, self._source(), on_refused=self._refused):
                 for out in outputs:
                     self._deliver(snapshot(out))
-                self._report_stats()
+                # Always after the step that emptied the engine: an idle server's gauges must read 0.
+                self._report_stats(force=not self._streams)
         except BaseException as e:  # noqa: BLE001 - any failure ends serving: every waiting client hears it
             self.failure = e
             for stream in set(self._streams.values()):
@@ -202,10 +203,10 @@ class EngineLoop:
                 self._streams[item.request.request_id] = item.stream
                 yield item.request
 
-    def _report_stats(self) -> None:
+    def _report_stats(self, force: bool = False) -> None:
         # Rate-limited: through the Ray backend each read is a call to rank 0's actor.
         now = time.monotonic()
-        if now - self._stats_at >= STATS_EVERY_S:
+        if force or now - self._stats_at >= STATS_EVERY_S:
             self._stats_at = now
             self.on_stats(self.engine.stats)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -59,8 +60,19 @@ def run_serve(client, cfg: DeployConfig) -> int:
         flush=True,
     )
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="off"))
+    # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again; both end here
+    # as KeyboardInterrupt, so the ranks are released and stopped by the caller either way.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
+        signal.signal(signal.SIGTERM, previous)
         loop.stop(STOP_TIMEOUT_S)
+    print("serve: stopped", file=sys.stderr, flush=True)
     return 1 if loop.failure is not None else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
