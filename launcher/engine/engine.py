@@ -9,10 +9,9 @@ reporters (last stage, tp index 0) send their tokens and log-probabilities to ra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from moelaunch.launcher.engine.block_manager import BlockManager
 from moelaunch.launcher.engine.config import EngineConfig
@@ -23,6 +22,7 @@ from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.launcher.engine.sequence import Sequence
 from moelaunch.launcher.engine.stats import EngineStats
+from moelaunch.launcher.engine.wire import broadcast_json, gather_json
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.tokenizer import Tokenizer
 from moelaunch.parallel.expert_parallel import ExpertPlacement
@@ -47,6 +47,11 @@ class StepCommand:
     stop: bool = False
     keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
 
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCommand:
+        new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
+        return cls(new, d["aborts"], d["stop"], d["keepalive"])
+
 
 @dataclass
 class SeqUpdate:
@@ -55,6 +60,11 @@ class SeqUpdate:
     logprob: float | None
     top_logprobs: dict[int, float] | None
     finish_reason: str | None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SeqUpdate:
+        top = d["top_logprobs"]  # JSON keys are strings
+        return cls(**{**d, "top_logprobs": {int(k): v for k, v in top.items()} if top is not None else None})
 
 
 @dataclass
@@ -217,11 +227,12 @@ class LLMEngine:
                 self._execute(command)
 
     def _broadcast(self, command: StepCommand | None) -> StepCommand:
-        if self.mesh.world.size == 1:
+        mesh = self.mesh
+        if mesh.world.size == 1:
             return command
-        box = [command]
-        dist.broadcast_object_list(box, src=self.mesh.global_ranks[0], group=self.mesh.world.pg)
-        return box[0]
+        sent = asdict(command) if command is not None else None
+        received = broadcast_json(sent, mesh.global_ranks[0], mesh.world.pg, mesh.device)
+        return command if command is not None else StepCommand.from_dict(received)
 
     # ---- every rank ----
     def _execute(self, command: StepCommand) -> list[SeqUpdate]:
@@ -301,14 +312,13 @@ class LLMEngine:
             self.stats = self._replica_stats()
             return updates
         reporter = mesh.is_last_stage and mesh.tp_index == 0
-        mine = (updates, self._replica_stats()) if reporter else None
-        parts = [None] * mesh.world.size if mesh.rank == 0 else None
-        dist.gather_object(mine, parts, dst=mesh.global_ranks[0], group=mesh.world.pg)
+        mine = [[asdict(u) for u in updates], asdict(self._replica_stats())]
+        parts = gather_json(mine if reporter else None, mesh.global_ranks[0], mesh.world.pg, mesh.device)
         if mesh.rank != 0:
             return []
         reports = [part for part in parts if part is not None]
-        self.stats = sum((stats for _, stats in reports), EngineStats())
-        return [u for part_updates, _ in reports for u in part_updates]
+        self.stats = sum((EngineStats(**stats) for _, stats in reports), EngineStats())
+        return [SeqUpdate.from_dict(u) for part_updates, _ in reports for u in part_updates]
 
     def _replica_stats(self) -> EngineStats:
         s, blocks = self.scheduler, self.blocks
