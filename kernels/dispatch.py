@@ -20,6 +20,7 @@ from torch import Tensor
 from moelaunch.kernels import cpu_extension
 from moelaunch.kernels import fp8_reference as ref
 from moelaunch.kernels import grouped_linear_cpu as linear_cpu
+from moelaunch.kernels import grouped_linear_reference as linear_ref
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as mla_ref
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE
@@ -119,20 +120,24 @@ def uses_grouped_linear_kernel(
     Callers with a different trade-off pass their own `row_limit` (grouped experts: the alternative
     pads every group to the largest). Never under autograd (the kernel has no backward).
     """
+    return max_rows <= row_limit and _cpu_kernel_takes(x, weight)
+
+
+def _cpu_kernel_takes(x: Tensor, weight: Tensor) -> bool:
     return (
         not x.is_cuda
         and x.dtype == torch.float32
         and weight.dtype in (torch.float32, torch.bfloat16)
-        and max_rows <= row_limit
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and prepare_cpu_kernels()
     )
 
 
 def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
-    """Rows offsets[g]:offsets[g+1] of x [T, K] times weight[g].T ([G, N, K]) -> [T, N]; CPU kernel only
-    (check `uses_grouped_linear_kernel` first)."""
-    return linear_cpu.grouped_linear_cpu(x, weight, offsets)
+    """Rows offsets[g]:offsets[g+1] of x [T, K] times weight[g].T ([G, N, K]) -> [T, N]: the CPU kernel
+    where `uses_grouped_linear_kernel` says so, else its torch twin."""
+    fn = linear_cpu.grouped_linear_cpu if _cpu_kernel_takes(x, weight) else linear_ref.grouped_linear_ref
+    return fn(x, weight, offsets)
 
 
 @functools.cache
@@ -146,5 +151,5 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
         return F.linear(x, weight)
-    out = grouped_linear(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
+    out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
     return out.view(*x.shape[:-1], weight.shape[0])

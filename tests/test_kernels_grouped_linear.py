@@ -1,4 +1,5 @@
-"""The CPU grouped-linear kernel against F.linear per group, and the dispatcher's choice of path."""
+"""The CPU grouped-linear kernel and its torch twin against F.linear per group, and the dispatcher's choice
+of path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from error_bounds import assert_within, matmul_error
 
 from moelaunch import kernels
 from moelaunch.kernels import grouped_linear_cpu
+from moelaunch.kernels import grouped_linear_reference as ref
 from moelaunch.kernels.dispatch import LINEAR_KERNEL_MAX_ROWS
+
+IMPLEMENTATIONS = {"cpu": grouped_linear_cpu.grouped_linear_cpu, "reference": ref.grouped_linear_ref}
 
 
 def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,22 +33,24 @@ def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tuple
     ],
 )
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_grouped_linear_matches_linear_per_group(counts, n, k, weight_dtype):
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+def test_grouped_linear_matches_linear_per_group(counts, n, k, weight_dtype, impl):
     g = torch.Generator().manual_seed(sum(counts) + n + k)
     x = torch.randn(sum(counts), k, generator=g)
     weight = torch.randn(len(counts), n, k, generator=g).to(weight_dtype)
     offsets = torch.tensor([0, *counts]).cumsum(0)
-    out = grouped_linear_cpu.grouped_linear_cpu(x, weight, offsets)
+    out = IMPLEMENTATIONS[impl](x, weight, offsets)
     assert out.shape == (sum(counts), n) and out.dtype == torch.float32
     assert_within(out, *_expected(x, weight, counts))
 
 
-def test_bad_offsets_are_refused():
+@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+def test_bad_offsets_are_refused(impl):
     x, weight = torch.randn(4, 8), torch.randn(2, 3, 8)
     with pytest.raises(RuntimeError, match="offsets must start at 0 and end at x's row count"):
-        grouped_linear_cpu.grouped_linear_cpu(x, weight, torch.tensor([0, 1, 3]))
+        IMPLEMENTATIONS[impl](x, weight, torch.tensor([0, 1, 3]))
     with pytest.raises(RuntimeError, match="one more entry than groups"):
-        grouped_linear_cpu.grouped_linear_cpu(x, weight, torch.tensor([0, 4]))
+        IMPLEMENTATIONS[impl](x, weight, torch.tensor([0, 4]))
 
 
 def _linear_calls(monkeypatch, x: torch.Tensor, weight: torch.Tensor) -> list[str]:
