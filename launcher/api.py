@@ -23,7 +23,7 @@ from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.launch import EngineSpec, build_engine
 from moelaunch.launcher.engine.outputs import RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
-from moelaunch.launcher.jobs.drive import run_to_completion
+from moelaunch.launcher.jobs.drive import Request, drive
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
@@ -71,6 +71,7 @@ class LLM:
         return llm
 
     def _start(self, spec: EngineSpec, env: dict[str, str]) -> None:
+        spec.check_against_model()  # before any worker starts: one clear error, not a rank's traceback
         self.spec = spec
         self._workers = []
         rank_env = None
@@ -85,18 +86,24 @@ class LLM:
         self._ids = itertools.count()
 
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
-        if self.tokenizer is None and (isinstance(prompt, str) or (prompt and isinstance(prompt[0], dict))):
+        is_chat = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return list(prompt), None
+        if not (isinstance(prompt, str) or is_chat):
+            raise ValueError(
+                f"a prompt must be a string, a list of token ids or a list of chat messages, not {prompt!r}"
+            )
+        if self.tokenizer is None:
             raise ValueError(
                 "text and chat prompts need the tokenizer, which skip_tokenizer_init=True left out: "
                 "give token ids"
             )
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), prompt
-        if prompt and isinstance(prompt[0], dict):
-            return self.tokenizer.encode_chat(list(prompt)), None
-        if all(isinstance(t, int) for t in prompt):
-            return list(prompt), None
-        raise ValueError("a prompt must be a string, a list of token ids, or a list of chat messages")
+        for m in prompt:
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"a chat message needs a string role and content: {m!r}")
+        return self.tokenizer.encode_chat(prompt), None
 
     def generate(
         self,
@@ -105,19 +112,22 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict))):
+        if not isinstance(prompts, (str, list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, not {prompts!r}")
+        if isinstance(prompts, str) or isinstance(prompts[0], (int, dict)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = []
+        # All or nothing: every prompt is encoded and checked before the first one is queued.
+        requests = []
         for prompt, p in zip(prompts, params_list, strict=True):
             token_ids, text = self._encode(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, token_ids, p, text)
-            ids.append(request_id)
-        return self._run(ids, use_tqdm)
+            request = Request(str(next(self._ids)), token_ids, p, text)
+            self.engine.check_request(request.request_id, token_ids, p)
+            requests.append(request)
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -129,10 +139,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate(conversations, sampling_params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
-            done = run_to_completion(self.engine, lambda out: bar.update(int(out.finished)))
-        return [done[r] for r in request_ids]
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            for outputs in drive(self.engine, requests):
+                finished = {out.request_id: out for out in outputs if out.finished}
+                done.update(finished)
+                bar.update(len(finished))
+        return [done[r.request_id] for r in requests]
 
     def shutdown(self) -> None:
         if self._workers:

@@ -163,3 +163,32 @@ def test_an_aborted_request_frees_its_blocks_and_the_next_one_runs(checkpoint, r
         engine.release("gone")
         assert engine.blocks.num_free == free and not engine.has_unfinished()
         assert run_all(llm, PROMPTS[:1]) == [reference[tuple(PROMPTS[0])]]
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "named"),
+    [(None, GREEDY, "prompts must be"), ([[0, 5], None], GREEDY, "a prompt must be"),
+     ([[0, 5], [0, 10**6]], GREEDY, "not in the vocabulary"),
+     ([[0, 5], [0] * 40], GREEDY, "max_model_len=32"),
+     ([[{"role": "user"}]], GREEDY, "string role and content"),
+     ([[0, 5]], {"temperature": 0}, "SamplingParams")],
+)  # fmt: skip
+def test_a_bad_prompt_in_a_list_queues_nothing_and_the_engine_keeps_serving(
+    checkpoint, reference, prompts, params, named
+):
+    with LLM(checkpoint, kv_cache_memory=4_000_000, max_model_len=32) as llm:
+        with pytest.raises(ValueError, match=named):
+            llm.generate(prompts, params)
+        assert not llm.engine.has_unfinished()  # the good prompts before the bad one were not queued
+        assert run_all(llm, PROMPTS[:1]) == [reference[tuple(PROMPTS[0])]]
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"tp": "2"}, "tp='2' must be an integer"), ({"fp8": "yes"}, "fp8='yes' must be one of"),
+     ({"tp": 3}, "num_attention_heads=4 is not divisible by tp=3"),
+     ({"max_model_len": 10**6}, "exceeds the model's max_position_embeddings")],
+)  # fmt: skip
+def test_bad_layouts_and_options_fail_before_any_worker_starts(checkpoint, options, named):
+    with pytest.raises(ValueError, match=named):
+        LLM(checkpoint, **options)

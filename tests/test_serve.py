@@ -230,7 +230,7 @@ def test_raw_protocol_errors(server):
 def test_a_full_queue_answers_429_and_the_server_recovers(server, client):
     # Capacity: max_num_seqs 4 x dp 1 + max_queue 3 = 7 outstanding requests.
     def long_request(_: int) -> int:
-        body = {"model": MODEL, "prompt": "go", "max_tokens": 120, "ignore_eos": True}
+        body = {"model": MODEL, "prompt": "go", "max_tokens": 48, "ignore_eos": True}
         headers = {"Authorization": f"Bearer {KEY}"}
         return httpx.post(
             f"{server['url']}/v1/completions", json=body, headers=headers, timeout=120

@@ -147,10 +147,35 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
     ) -> None:
+        """Queue a request for the next step; one that cannot run raises ValueError, leaving nothing."""
+        self.check_request(request_id, prompt_ids, params)
+        replica = min(range(len(self._replica_load)), key=self._replica_load.__getitem__)
+        outputs = [CompletionOutput(i, "", []) for i in range(params.n)]
+        self.requests[request_id] = _RequestState(
+            request_id,
+            prompt,
+            list(prompt_ids),
+            params,
+            outputs,
+            RequestMetrics(time.perf_counter()),
+            replica,
+            params.n,
+        )
+        for i in range(params.n):
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
+            self._seq_owner[seq_id] = (request_id, i)
+            self._pending.new.append(NewSequence(seq_id, request_id, i, list(prompt_ids), params, replica))
+        self._replica_load[replica] += params.n
+
+    def check_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """add_request's checks alone: a caller queuing several requests checks them all first."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling params must be SamplingParams: {params!r}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if not isinstance(prompt_ids, list) or not prompt_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must be a non-empty list of token ids")
         vocab = self.model.args.vocab_size
         outside = [t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab]
         if outside:
@@ -173,24 +198,6 @@ class LLMEngine:
                 f"request {request_id!r}: prompt of {len(prompt_ids)} tokens needs more KV blocks than the "
                 f"cache has ({self.blocks.num_blocks} of {self.blocks.block_size}); raise kv_cache_memory"
             )
-        replica = min(range(len(self._replica_load)), key=self._replica_load.__getitem__)
-        outputs = [CompletionOutput(i, "", []) for i in range(params.n)]
-        self.requests[request_id] = _RequestState(
-            request_id,
-            prompt,
-            list(prompt_ids),
-            params,
-            outputs,
-            RequestMetrics(time.perf_counter()),
-            replica,
-            params.n,
-        )
-        for i in range(params.n):
-            seq_id = self._next_seq_id
-            self._next_seq_id += 1
-            self._seq_owner[seq_id] = (request_id, i)
-            self._pending.new.append(NewSequence(seq_id, request_id, i, list(prompt_ids), params, replica))
-        self._replica_load[replica] += params.n
 
     def abort(self, request_id: str) -> None:
         if request_id in self.requests:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 
@@ -12,10 +14,14 @@ from moelaunch import kernels
 from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.engine import LLMEngine
+from moelaunch.model.config import load_args
+from moelaunch.model.loading import Fp8Mode
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.parallel.parallelize import check_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+FP8_MODES = get_args(Fp8Mode)
 
 
 @dataclass
@@ -33,9 +39,29 @@ class EngineSpec:
     timeout_s: float = 300.0  # longest wait on a peer: rendezvous and every collective
 
     def __post_init__(self) -> None:
+        for name in ("tp", "dp", "pp"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
-        MeshShape(self.dp, self.pp, self.tp)  # validates sizes
+        if self.fp8 not in FP8_MODES:
+            raise ValueError(f"fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
+        if type(self.timeout_s) not in (int, float) or not 0 < self.timeout_s < math.inf:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0")
+
+    def check_against_model(self) -> None:
+        """What can be checked from config.json alone, before any weight loads or worker starts: the
+        checkpoint exists, the layout divides the model, max_model_len fits its positions."""
+        args = load_args(self.model)
+        shape = MeshShape(self.dp, self.pp, self.tp)
+        check_layout(args, shape.tp, shape.ep, shape.pp)
+        asked = self.engine.max_model_len
+        if asked is not None and asked > args.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={asked} exceeds the model's max_position_embeddings="
+                f"{args.max_position_embeddings}: give at most that"
+            )
 
     @property
     def world(self) -> int:

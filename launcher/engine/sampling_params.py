@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -22,21 +23,25 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)):
+                raise ValueError(f"SamplingParams.{name}={value!r} must be a list")
+            object.__setattr__(self, name, tuple(value))
         self._check_types()
         checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
+            ("temperature", 0 <= self.temperature < math.inf, "must be >= 0 (0 means greedy) and finite"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "must be -1 (no limit) or >= 1"),
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be None or in [0, 20]"),
             ("n", self.n >= 1, "must be >= 1"),
+            ("seed", self.seed is None or 0 <= self.seed < 2**63, "must be None or in [0, 2^63)"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             (
                 "stop_token_ids",
-                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                all(type(t) is int and t >= 0 for t in self.stop_token_ids),
                 "must be ids >= 0",
             ),
         ]
