@@ -18,6 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moelaunch.cluster.rendezvous import RankEnv
+from moelaunch.launcher.bundled.capabilities import capabilities_line
 from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.engine import LLMEngine
 from moelaunch.launcher.engine.launch import DTYPES, EngineSpec, build_engine
@@ -84,6 +85,8 @@ def run_file(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 
 def run_interactive(engine: LLMEngine, args: argparse.Namespace) -> None:
+    if (line := capabilities_line(args.ckpt_path)) is not None:
+        print(line)
     chat_loop(
         engine,
         engine.tokenizer,
@@ -94,7 +97,12 @@ def run_interactive(engine: LLMEngine, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    engine = build(args)
+    try:
+        engine = build(args)
+    except ValueError as e:  # bad layout or checkpoint: one line (from global rank 0), not a traceback
+        if RankEnv.from_env().rank == 0:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         if engine.mesh.rank != 0:
             engine.worker_loop()  # rank 0 reads, prints and drives every step

@@ -112,3 +112,15 @@ def test_interactive_chat_across_two_ranks(checkpoint):
     for transcript in (first, second):
         reply = transcript.replace("\r\n", "\n").split(question, 1)[1].strip("\n")
         assert reply.strip() == expected.strip()  # printed once, by rank 0 only
+
+
+def test_a_layout_the_model_cannot_split_is_one_line_before_anything_runs(checkpoint, tmp_path):
+    (tmp_path / "prompts.txt").write_text("hi\n")
+    done = subprocess.run(
+        [sys.executable, *generate_cmd(checkpoint, tmp_path / "out.jsonl", ["--tp", "3"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "is not divisible by tp=3" in done.stderr and "Traceback" not in done.stderr

@@ -78,6 +78,7 @@ class EngineSpec:
 
 def build_engine(spec: EngineSpec, rank_env: RankEnv | None = None) -> LLMEngine:
     """Join the job (if several ranks), build the mesh and this rank's engine."""
+    spec.check_against_model()  # a layout that cannot work fails on every rank before any collective
     env = rank_env or RankEnv.from_env()
     if not torch.cuda.is_available():
         kernels.prepare_cpu_kernels()  # before any collective: a first build takes a minute
