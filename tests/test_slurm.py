@@ -66,6 +66,22 @@ def test_gpu_script_asks_for_gpus(tmp_path, capsys):
     assert "--num-cpus" not in script  # Ray counts the GPUs itself
 
 
+@pytest.mark.parametrize(
+    "override",
+    # YAML double quotes: "\n" is a real line break in the value.
+    ['cluster.slurm.partition="gpu\\necho INJECTED"', "cluster.slurm.account='a;touch /tmp/x'",
+     "cluster.slurm.partition='$(reboot)'", 'cluster.slurm.extra_args=["--qos=high\\nrm -rf ~"]',
+     "cluster.slurm.extra_args=['--qos=\"x y\"']", 'cluster.slurm.time="01:00:00\\nid"'],
+)  # fmt: skip
+def test_values_that_would_break_out_of_the_script_are_refused(tmp_path, capsys, override):
+    cluster = {"nodes": 2, "devices_per_node": 2, "device": "cpu", "device_memory_gb": 4}
+    config = write_config(tmp_path, "tiny-v3.json", {"tp": 2, "dp": 2}, cluster)
+    assert main(["slurm", str(config), "--dry-run", "--set", override]) == 1
+    captured = capsys.readouterr()
+    assert "launch slurm: error:" in captured.err and "cluster.slurm." in captured.err
+    assert "#SBATCH" not in captured.out
+
+
 def test_layout_that_cannot_work_is_refused_before_submitting(tmp_path, capsys):
     cluster = {"nodes": 2, "devices_per_node": 2, "device": "cpu", "device_memory_gb": 4}
     config = write_config(tmp_path, "tiny-v3.json", {"tp": 2, "dp": 1}, cluster)

@@ -48,6 +48,9 @@ class SbatchJob:
         directives += [f"--partition={self.partition}"] * bool(self.partition)
         directives += [f"--account={self.account}"] * bool(self.account)
         directives += self.extra_args
+        unsafe = [d for d in directives if any(c in d for c in "\n\r\0")]
+        if unsafe:  # a line break would end the #SBATCH line and run the rest as a command
+            raise ValueError(f"an #SBATCH option holds a line break: {unsafe[0]!r}")
         return "\n".join(["#!/bin/bash", *(f"#SBATCH {d}" for d in directives), self.body()])
 
     def body(self) -> str:

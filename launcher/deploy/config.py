@@ -51,13 +51,20 @@ class Timeouts(_Strict):
     collective_s: float = Field(600, gt=0, description="longest wait inside one collective")
 
 
+# What a value written into an `#SBATCH` line may hold: Slurm names and lists of them, nothing a shell or
+# the script's line structure would read (no spaces, quotes, $, ;, newlines).
+SBATCH_VALUE = r"^[A-Za-z0-9_.,:+@%/=-]+$"
+
+
 class SlurmConfig(_Strict):
-    partition: str | None = None
-    account: str | None = None
+    partition: str | None = Field(None, pattern=SBATCH_VALUE, description="a partition name (or a list: a,b)")
+    account: str | None = Field(None, pattern=SBATCH_VALUE)
     # Slurm's formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
     time: str = Field("01:00:00", pattern=r"^(\d+-)?\d+(:\d+){0,2}$")
     gpus_per_node: int | None = Field(None, ge=0, description="--gpus-per-node; default devices_per_node")
-    extra_args: list[str] = Field(default_factory=list, description="more #SBATCH options, e.g. --qos=high")
+    extra_args: list[Annotated[str, Field(pattern=r"^--[a-z][a-z-]*(=[A-Za-z0-9_.,:+@%/=-]+)?$")]] = Field(
+        default_factory=list, description="more #SBATCH options, e.g. --qos=high"
+    )
 
     @field_validator("time", mode="before")
     @classmethod
