@@ -15,9 +15,11 @@ from moelaunch.cluster.rendezvous import RankEnv
 PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
+def _worker_signals() -> None:
     """Linux: SIGTERM this process when its parent dies, so a killed rank 0 leaves no worker behind
-    waiting out its collective timeout."""
+    waiting out its collective timeout. Ctrl-C (SIGINT to the whole terminal group) is rank 0's to
+    handle: the workers ignore it (an ignored signal stays ignored across exec)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -30,13 +32,16 @@ def spawn_workers(
     for rank in range(1, world_size):
         contract = RankEnv(rank, rank, world_size, world_size, "127.0.0.1", port).as_env()
         env = {**os.environ, **(extra_env or {}), **contract}
-        start = _die_with_parent if sys.platform == "linux" else None
+        start = _worker_signals if sys.platform == "linux" else None
         procs.append(subprocess.Popen([sys.executable, "-m", module, *args], env=env, preexec_fn=start))
     return procs
 
 
-def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
-    """Wait for workers to exit; kill (by pid) any that do not."""
+def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 30.0, terminate: bool = False) -> None:
+    """Wait for workers to exit (after SIGTERM when terminate); kill (by pid) any that do not."""
+    for p in procs:
+        if terminate and p.poll() is None:
+            p.terminate()
     for p in procs:
         try:
             p.wait(timeout=timeout_s)

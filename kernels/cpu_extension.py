@@ -20,6 +20,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp", "fused_cpu.cpp"]
+# Builds take 1-3 minutes: a lock file older than this was left by one that died.
+STALE_LOCK_S = 600.0
 
 
 def _build_tag() -> str:
@@ -41,8 +43,10 @@ def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import _get_build_directory, load
 
     name = f"moelaunch_cpu_kernels_{_build_tag()}"
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    _clear_stale_lock(build_dir / "lock")
     # A first build takes a minute or two: say so, or a first `launch` looks hung.
-    fresh = not (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").is_file()
+    fresh = not (build_dir / f"{name}.so").is_file()
     if fresh:
         print(
             "moelaunch: building the CPU kernels for this machine (first run only, 1-2 minutes)...",
@@ -67,6 +71,21 @@ def _build() -> ModuleType | None:
             stacklevel=3,
         )
         return None
+
+
+def _clear_stale_lock(lock: Path) -> None:
+    """torch's builder waits, silently and without end, while its lock file exists: one left by a build
+    that was interrupted would hang every later run. A lock older than any build is removed; a fresh one
+    is another process building now, which is worth a line while we wait for it."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+        print(f"moelaunch: removed {lock}, left by an interrupted CPU kernel build", file=sys.stderr)
+    else:
+        print(f"moelaunch: waiting for another process building the CPU kernels ({lock})", file=sys.stderr)
 
 
 def module() -> ModuleType | None:

@@ -148,10 +148,13 @@ class LLM:
                 bar.update(len(finished))
         return [done[r.request_id] for r in requests]
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Release the worker ranks: told to stop (graceful), or terminated, as after Ctrl-C, when the
+        ranks may be inside a collective that rank 0 left."""
         if self._workers:
-            self.engine.shutdown()
-            stop_workers(self._workers)
+            if graceful:
+                self.engine.shutdown()
+            stop_workers(self._workers, terminate=not graceful)
             self._workers = []
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -159,5 +162,5 @@ class LLM:
     def __enter__(self) -> LLM:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.shutdown(graceful=kind is None or not issubclass(kind, KeyboardInterrupt))

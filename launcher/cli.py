@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         # User-caused errors (bad paths, configs, checkpoints, dead nodes) carry a message naming the fix.
         print(f"launch{' ' + command if command else ''}: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a job may say how to resume), no traceback
+        print(f"launch{' ' + command if command else ''}: {e or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

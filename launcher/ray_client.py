@@ -80,10 +80,11 @@ class RayLLM:
             self._session.close()
             raise
 
-    def shutdown(self) -> None:
-        """Stop rank 0's engine (which releases the other ranks), kill every actor, free the devices,
-        and disconnect (stopping Ray if this process started it)."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop rank 0's engine (which releases the other ranks; skipped when not graceful, as after
+        Ctrl-C), kill every actor, free the devices, and disconnect (stopping Ray if this process
+        started it)."""
         try:
-            self._group.close(stop="shutdown")
+            self._group.close(stop="shutdown" if graceful else None)
         finally:
             self._session.close()

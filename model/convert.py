@@ -80,6 +80,10 @@ def _convert(
     reader = CheckpointReader(src)
     if dst.resolve() == src.resolve():
         raise ValueError(f"destination {dst} is the source directory: choose a new directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        # Mixing with what is there (other shards, another index) would leave a checkpoint that no
+        # longer loads.
+        raise ValueError(f"destination {dst} exists and is not an empty directory: choose a new one")
     dst.mkdir(parents=True, exist_ok=True)
     by_file: dict[str, list[str]] = {}
     for name, file in reader.weight_map.items():

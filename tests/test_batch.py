@@ -156,3 +156,44 @@ def test_batch_logs_throughput_and_cache_use(checkpoint, tmp_path, capsys, monke
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch: ")]
     assert lines and all("tok/s generated" in line and "KV cache" in line for line in lines)
     assert "running 0, waiting 0" in lines[-1]  # the last step's stats: everything finished
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_two_rank_batch_is_one_line_and_the_rerun_finishes(checkpoint, tmp_path):
+    lines = [
+        {"id": f"r{i}", "prompt": f"request {i}", "max_tokens": 24, "ignore_eos": True} for i in range(16)
+    ]
+    inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    args = ["batch", "--model", checkpoint, "--input", str(inp), "--output", str(out), "--temperature", "0"]
+    args += ["--kv-cache-memory", KV, "--max-num-seqs", "2", "--no-progress", "--tp", "2"]
+    # A session of its own: SIGINT to the whole group, as Ctrl-C in a terminal sends it to every rank.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moelaunch.launcher.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended before Ctrl-C"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    stderr = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130
+    assert "run the same command again to resume" in stderr and "Traceback" not in stderr, stderr
+    assert main(args) == 0
+    assert sorted(read_results(out)) == sorted(r["id"] for r in lines)
+
+
+@pytest.mark.parametrize(
+    ("output", "says"), [("missing/dir/out.jsonl", "does not exist"), (".", "is a directory")]
+)
+def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path, capsys, output, says):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    args = ["batch", "--model", str(tmp_path / "no-model-here"), "--input", str(inp)]
+    assert main([*args, "--output", str(tmp_path / output)]) == 1
+    err = capsys.readouterr().err
+    assert says in err and "--output" in err  # the checkpoint (missing) was never looked at

@@ -88,3 +88,15 @@ def test_rounds_draw_fresh_prompts():
     assert [c.name for c in first] == [c.name for c in second]
     prompts = [{tuple(r.prompt_ids) for r in c.requests} for c in (*first, *second)]
     assert all(not (a & b) for i, a in enumerate(prompts) for b in prompts[i + 1 :])
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [(["--range-ratio", "2"], "--range-ratio 2.0: give a value in [0, 1)"),
+     (["--input-len", "100000"], "exceed the model's"),
+     (["--vllm-venv", "/nowhere"], "--vllm-venv /nowhere: no bin/python"),
+     (["--num-requests", "0"], "--num-requests 0: give 1 or more")],
+)  # fmt: skip
+def test_bad_bench_options_fail_before_anything_runs(bench_model, capsys, args, says):
+    assert main(["bench", "--model", str(bench_model), *args]) == 1
+    assert says in capsys.readouterr().err

@@ -95,3 +95,13 @@ def test_converting_an_fp8_checkpoint_again_is_refused(dirs, tmp_path, capsys):
     _, fp8, _ = dirs
     assert launch(["convert", "quantize-fp8", str(fp8), str(tmp_path / "x")]) == 1
     assert "already FP8" in capsys.readouterr().err
+
+
+def test_converting_into_a_non_empty_directory_is_refused(dirs, tmp_path, capsys):
+    original, _, _ = dirs
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "model.safetensors").write_bytes(b"something else")
+    assert launch(["convert", "quantize-fp8", str(original), str(taken)]) == 1
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert (taken / "model.safetensors").read_bytes() == b"something else"  # nothing overwritten

@@ -15,6 +15,7 @@ from typing import Any
 
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.jobs.batch import run_batch
+from moelaunch.launcher.jobs.output_path import check_writable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,6 +60,7 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if not args.input.exists():  # before loading the model, which can take minutes
         raise FileNotFoundError(f"input file {args.input} not found")
+    check_writable(args.output, "--output")
     options: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len

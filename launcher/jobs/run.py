@@ -19,6 +19,7 @@ from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.launcher.engine.launch import EngineSpec
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
+from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_client import RayLLM
 
 DEMO_QUESTIONS = (
@@ -123,6 +124,17 @@ MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {
 }
 
 
+def check_job_files(cfg: DeployConfig) -> None:
+    """The job's input and output, checked before the model loads."""
+    job = cfg.job
+    if job.mode == "batch":
+        if not Path(job.input).is_file():
+            raise cfg.error("job.input", job.input, "an existing JSONL file of prompts")
+        check_writable(Path(job.output), "job.output")
+    if job.mode == "bench" and job.output:
+        check_writable(Path(job.output), "job.output")
+
+
 def run_in_slurm_allocation(cfg: DeployConfig, overrides: list[str]) -> int:
     """`backend: slurm` inside an allocation: Ray over the allocation's nodes, then the job."""
     if "SLURM_JOB_ID" not in os.environ:
@@ -150,8 +162,12 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
     plan = build_plan(cfg)  # a layout that cannot work fails here, before any process starts
     if not plan.fits:
         raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
+    check_job_files(cfg)
     client = backend(cfg, engine_spec(cfg))
+    graceful = False  # after Ctrl-C or a failure mid-step the ranks may be inside a collective
     try:
-        return mode(client, cfg)
+        code = mode(client, cfg)
+        graceful = code == 0
+        return code
     finally:
-        client.shutdown()
+        client.shutdown(graceful)
