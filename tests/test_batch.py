@@ -48,6 +48,24 @@ def expected(checkpoint: str, prompts: dict[str, object], params: dict[str, Samp
     return {k: (o.outputs[0].token_ids, o.outputs[0].text) for k, o in zip(prompts, outs, strict=True)}
 
 
+def batch_args(checkpoint: str, inp: Path, out: Path) -> list[str]:
+    """A greedy batch two sequences at a time: results trickle out over a few seconds."""
+    args = ["batch", "--model", checkpoint, "--input", str(inp), "--output", str(out), "--temperature", "0"]
+    return [*args, "--kv-cache-memory", KV, "--max-num-seqs", "2", "--no-progress"]
+
+
+def start_batch(args: list[str], **popen: object) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "moelaunch.launcher.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        **popen,
+    )
+
+
 def test_batch_matches_generate_and_reports_bad_lines(checkpoint, tmp_path, capsys):
     chat = [{"role": "user", "content": "hi there"}]
     lines = [
@@ -102,21 +120,14 @@ def test_resume_after_sigkill_gives_every_id_once(checkpoint, tmp_path):
         row["temperature"] = 0.7  # sampled, seeded by id: a resumed job must draw the same tokens
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    args = ["batch", "--model", checkpoint, "--input", str(inp), "--output", str(out), "--temperature", "0"]
-    args += ["--kv-cache-memory", KV, "--max-num-seqs", "2", "--no-progress"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moelaunch.launcher.cli", *args],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    args = batch_args(checkpoint, inp, out)
+    proc = start_batch(args)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and proc.poll() is None:
         if out.exists() and out.read_text().count("\n") >= 4:
             break
         time.sleep(0.05)
-    assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read().decode()}"
+    assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read()}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
@@ -164,18 +175,9 @@ def test_ctrl_c_on_a_two_rank_batch_is_one_line_and_the_rerun_finishes(checkpoin
         {"id": f"r{i}", "prompt": f"request {i}", "max_tokens": 24, "ignore_eos": True} for i in range(16)
     ]
     inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    args = ["batch", "--model", checkpoint, "--input", str(inp), "--output", str(out), "--temperature", "0"]
-    args += ["--kv-cache-memory", KV, "--max-num-seqs", "2", "--no-progress", "--tp", "2"]
+    args = [*batch_args(checkpoint, inp, out), "--tp", "2"]
     # A session of its own: SIGINT to the whole group, as Ctrl-C in a terminal sends it to every rank.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moelaunch.launcher.cli", *args],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_batch(args, start_new_session=True)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before Ctrl-C"

@@ -1,1 +1,26 @@
-"""The `launch` subcommands, one module each: batch, bench, convert, eval, plan, slurm."""
+"""The `launch` subcommands, one module each: batch, bench, convert, eval, plan, serve, slurm."""
+
+from __future__ import annotations
+
+import argparse
+
+from moelaunch.launcher.deploy.config import DEFAULT_CONFIG
+
+
+def add_deployment_arguments(p: argparse.ArgumentParser, config_required: bool = False) -> None:
+    """CONFIG.yaml and `--set KEY.PATH=VALUE` overrides (args.config, args.overrides), as every command
+    that reads a deployment file takes them."""
+    if config_required:
+        p.add_argument("config", help="cluster YAML")
+    else:
+        p.add_argument(
+            "config", nargs="?", default=str(DEFAULT_CONFIG), help="cluster YAML (default: %(default)s)"
+        )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a key, e.g. --set parallel.tp=8",
+    )

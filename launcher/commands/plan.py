@@ -8,7 +8,8 @@ import json
 import math
 from typing import Any
 
-from moelaunch.launcher.deploy.config import DEFAULT_CONFIG, load_deploy_config
+from moelaunch.launcher.commands import add_deployment_arguments
+from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import (
     ACTIVATION_BUFFERS,
     GB,
@@ -28,17 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="print a deployment's ranks, groups, experts, layers and memory per device; starts nothing",
     )
-    p.add_argument(
-        "config", nargs="?", default=str(DEFAULT_CONFIG), help="cluster YAML (default: %(default)s)"
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a key",
-    )
+    add_deployment_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
     p.set_defaults(func=run)
 

@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import argparse
 
-from moelaunch.launcher.deploy.config import DEFAULT_CONFIG, load_deploy_config
+from moelaunch.launcher.commands import add_deployment_arguments
+from moelaunch.launcher.deploy.config import load_deploy_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a deployment over the OpenAI API (chat, completions, metrics)")
-    p.add_argument(
-        "config", nargs="?", default=str(DEFAULT_CONFIG), help="cluster YAML (default: %(default)s)"
-    )
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY.PATH=VALUE",
-        help="override a key",
-    )
+    add_deployment_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 from moelaunch.cluster.errors import ClusterError
 from moelaunch.cluster.slurm.script import ADDRESS, SbatchJob, submit
+from moelaunch.launcher.commands import add_deployment_arguments
 from moelaunch.launcher.deploy.config import DeployConfig, load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("slurm", help="submit a deployment as a Slurm batch job (Ray across its nodes)")
-    p.add_argument("config", help="cluster YAML")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE")
+    add_deployment_arguments(p, config_required=True)
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script; submit nothing")
     p.add_argument("--script", help="where to write the script (default: ./<config name>.sbatch)")
     p.add_argument(
