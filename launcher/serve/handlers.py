@@ -178,15 +178,17 @@ async def _respond(
     state: ServerState, http: HTTPRequest, call: _Call, stream: bool, include_usage: bool, stop: Any
 ) -> Any:
     outputs = OutputStream(asyncio.get_running_loop())
+    ids = [r.request_id for r in call.requests]
+    # Timed from here, before the engine thread can see them.
+    state.metrics.accepted(ids, sum(len(r.prompt_ids) for r in call.requests))
     try:
         state.engine_loop.submit(call.requests, outputs)
     except QueueFull as e:
+        state.metrics.forget(ids)
         raise APIError(429, f"the server is busy ({e}); retry later") from None
     except EngineFailed as e:
+        state.metrics.forget(ids)
         raise APIError(503, str(e)) from None
-    state.metrics.accepted(
-        [r.request_id for r in call.requests], sum(len(r.prompt_ids) for r in call.requests)
-    )
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if stream:
         events = _events(state, http, call, outputs, include_usage, stops)

@@ -73,6 +73,12 @@ class ServeMetrics:
                 self._timings[rid] = _Timing(now)
         self.prompt_tokens.inc(prompt_tokens)
 
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests accepted here but refused by the engine loop (queue full, engine failed)."""
+        with self._lock:
+            for rid in request_ids:
+                self._timings.pop(rid, None)
+
     def progress(self, p: Progress) -> int:
         """Called on the engine thread with every snapshot; returns the tokens it brought."""
         now = time.perf_counter()
