@@ -180,7 +180,7 @@ async def _respond(
     outputs = OutputStream(asyncio.get_running_loop())
     ids = [r.request_id for r in call.requests]
     # Timed from here, before the engine thread can see them.
-    state.metrics.accepted(ids, sum(len(r.prompt_ids) for r in call.requests))
+    state.metrics.accepted(ids)
     try:
         state.engine_loop.submit(call.requests, outputs)
     except QueueFull as e:
@@ -189,6 +189,7 @@ async def _respond(
     except EngineFailed as e:
         state.metrics.forget(ids)
         raise APIError(503, str(e)) from None
+    state.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in call.requests))
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if stream:
         events = _events(state, http, call, outputs, include_usage, stops)

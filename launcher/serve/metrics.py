@@ -66,12 +66,11 @@ class ServeMetrics:
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(f"moelaunch_{name}", doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def accepted(self, request_ids: list[str], prompt_tokens: int) -> None:
+    def accepted(self, request_ids: list[str]) -> None:
         now = time.perf_counter()
         with self._lock:
             for rid in request_ids:
                 self._timings[rid] = _Timing(now)
-        self.prompt_tokens.inc(prompt_tokens)
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests accepted here but refused by the engine loop (queue full, engine failed)."""
