@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch{' ' + command if command else ''}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a job may say how to resume), no traceback
-        print(f"launch{' ' + command if command else ''}: {e or 'interrupted'}", file=sys.stderr)
+        print(f"launch{' ' + command if command else ''}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
 
 
