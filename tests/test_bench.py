@@ -4,6 +4,7 @@ timing assertions: the numbers depend on the machine), plus the metric definitio
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -50,7 +51,10 @@ def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
     ]
     argv += ["--batch-sizes", "1,2", "--compare", "--hf-batch-size", "2", "--json", str(tmp_path / "r.json")]
     argv += ["--rounds", "2"]
-    argv += ["--vllm-venv", str(tmp_path / "no-venv")]  # a missing peer is reported, not fatal
+    # A peer that fails (a "venv" whose python has no vLLM) is reported, not fatal.
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
+    argv += ["--vllm-venv", str(tmp_path / "venv")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
@@ -64,7 +68,7 @@ def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
         assert all(set(m) == METRICS for m in system.values())
     assert result["results"]["moelaunch"]["latency-b2"]["output_tokens"] == 2 * 4
     assert set(result["ratios"]["transformers"]["latency-b2"]) == {"output_tok_s", "decode_tok_s", "ttft"}
-    assert "not found" in result["systems"]["vllm"]["error"]
+    assert "No module named 'vllm'" in result["systems"]["vllm"]["error"]
     # Two rounds each, kept in full; the table shows each metric's median (here: the mean of two).
     for system, runs in result["rounds"].items():
         assert len(runs) == 2
