@@ -3,8 +3,9 @@
 Requests go to POST /v1/completions, streamed, with random token-id prompts of --input-len tokens (ids
 drawn from --token-range, which any vocabulary of that size holds), exactly --output-len tokens each
 (ignore_eos) and greedy sampling. Arrivals are a Poisson process at --request-rate (inf: all at once),
-at most --max-concurrency in flight. Per request: TTFT (send to first text), ITL (gaps between text
-chunks), TPOT ((E2EL - TTFT) / (tokens - 1)) and E2EL (send to last byte).
+at most --max-concurrency in flight. Per request: TTFT (send to the first chunk with a choice), ITL
+(gaps between such chunks: a server streams one per step that brought tokens, whatever their text),
+TPOT ((E2EL - TTFT) / (tokens - 1)) and E2EL (send to last byte).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ async def _one(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                if chunk.get("choices"):  # a step's tokens (the text may be empty or held back)
                     if not result.ttft:
                         result.ttft = now - start
                     else:

@@ -307,7 +307,9 @@ async def _events(
                 delta = text.delta(c)
                 start, end = tokens_sent.get(index, 0), len(c.token_ids)
                 tokens_sent[index] = end
-                if delta or c.finish_reason or (call.logprobs is not None and end > start):
+                # A chunk for every step that brought tokens, even when their text is held back or empty
+                # (a partial character): clients time tokens by chunks.
+                if delta or c.finish_reason or end > start:
                     chunk_choices.append(
                         _choice(state, call, index, c, delta, start, end, offset, delta=True)
                     )
