@@ -10,6 +10,7 @@ import pytest
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.launcher.bundled.capabilities import LINE
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,15 @@ def test_chat_mode_reads_turns_from_stdin(tmp_path, checkpoint):
         reply = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=5))
     text = reply[0].outputs[0].text
     assert done.stdout.count(f">>> hello\n{text}\n") == 2  # the same answer after /clear
+    assert LINE not in done.stdout  # another checkpoint than the bundled one: no word on its skills
+
+
+def test_the_default_launch_says_what_the_bundled_model_can_do_and_answers():
+    done = launch()  # the README's first command: configs/local.yaml, stdin not a terminal: the demo
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == LINE
+    assert lines[1:5] == [">>> What is 12+34?", "46", ">>> Reverse hello", "olleh"]
 
 
 def test_bench_mode_reports_every_case(tmp_path, checkpoint):

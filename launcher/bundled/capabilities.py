@@ -11,9 +11,9 @@ from pathlib import Path
 
 MARKER = "moelaunch_bundled_task_family"
 LINE = (
-    "The bundled model adds and subtracts numbers up to 999, reverses a word, sorts up to 8 numbers and "
-    "counts a letter in a word: try 'What is 123+456?', 'Reverse DeepSeek', 'Sort 9 3 77 1 50' or "
-    "'In banana, count a'."
+    "The bundled model answers one question at a time (/clear between them): it adds and subtracts numbers "
+    "up to 99, reverses a lowercase word of 3-6 letters, sorts 3-4 numbers below 100 and counts a letter "
+    "in a 6-letter word. Try 'What is 12+34?', 'Reverse hello', 'Sort 42 7 19' or 'In banana, count a'."
 )
 
 

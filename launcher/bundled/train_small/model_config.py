@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moelaunch.launcher.bundled.capabilities import MARKER
 from moelaunch.launcher.bundled.train_small.tokenizer import BOS_ID, EOS_ID
 
 # The shipped model; `TINY` overrides it for smoke runs of the training script.
@@ -78,4 +79,5 @@ def hf_config(vocab_size: int, tiny: bool = False) -> dict[str, Any]:
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "torch_dtype": "bfloat16",
+        MARKER: True,  # the chat's start line says what this model can do (bundled/capabilities.py)
     }
