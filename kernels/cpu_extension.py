@@ -22,6 +22,7 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp", "fused_cpu.cpp"]
 # Builds take 1-3 minutes: a lock file older than this was left by one that died.
 STALE_LOCK_S = 600.0
+LOCK_POLL_S = 0.5
 
 
 def _build_tag() -> str:
@@ -74,18 +75,25 @@ def _build() -> ModuleType | None:
 
 
 def _clear_stale_lock(lock: Path) -> None:
-    """torch's builder waits, silently and without end, while its lock file exists: one left by a build
-    that was interrupted would hang every later run. A lock older than any build is removed; a fresh one
-    is another process building now, which is worth a line while we wait for it."""
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        lock.unlink(missing_ok=True)
-        print(f"moelaunch: removed {lock}, left by an interrupted CPU kernel build", file=sys.stderr)
-    else:
-        print(f"moelaunch: waiting for another process building the CPU kernels ({lock})", file=sys.stderr)
+    """torch's builder waits, silently and without end, while its lock file exists, so a lock left by
+    a build that was killed would hang every later run. Wait here instead, saying so, while the lock is
+    young enough to be a build in progress; remove it once it is older than any build."""
+    announced = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)
+            print(f"moelaunch: removed {lock}, left by an interrupted CPU kernel build", file=sys.stderr)
+            return
+        if not announced:
+            print(
+                f"moelaunch: waiting for another process building the CPU kernels ({lock})", file=sys.stderr
+            )
+            announced = True
+        time.sleep(LOCK_POLL_S)
 
 
 def module() -> ModuleType | None:

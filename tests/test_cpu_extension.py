@@ -47,7 +47,22 @@ def test_a_lock_left_by_an_interrupted_build_is_removed(fake_build, tmp_path, ca
     assert not os.path.exists(lock) and "left by an interrupted CPU kernel build" in capsys.readouterr().err
 
 
-def test_a_fresh_lock_is_another_build_and_is_left_alone(fake_build, tmp_path, capsys):
+def test_a_fresh_lock_is_waited_for_until_it_goes_or_grows_stale(fake_build, tmp_path, capsys, monkeypatch):
     lock = _lock(tmp_path, age_s=5)
-    assert cpu_extension._build() == "module"
-    assert os.path.exists(lock) and "waiting for another process building" in capsys.readouterr().err
+    monkeypatch.setattr(cpu_extension, "LOCK_POLL_S", 0.05)
+    polls = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:  # the other build finishes after three polls
+        polls.append(seconds)
+        if len(polls) == 3:
+            os.remove(lock)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(cpu_extension.time, "sleep", sleep)
+    assert cpu_extension._build() == "module" and len(polls) == 3
+    assert capsys.readouterr().err.count("waiting for another process building") == 1
+    # A builder that died: its lock ages past STALE_LOCK_S while we wait, and is removed then.
+    lock = _lock(tmp_path, age_s=cpu_extension.STALE_LOCK_S - 0.1)
+    cpu_extension._build.cache_clear()
+    assert cpu_extension._build() == "module" and not os.path.exists(lock)
