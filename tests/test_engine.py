@@ -192,3 +192,35 @@ def test_a_bad_prompt_in_a_list_queues_nothing_and_the_engine_keeps_serving(
 def test_bad_layouts_and_options_fail_before_any_worker_starts(checkpoint, options, named):
     with pytest.raises(ValueError, match=named):
         LLM(checkpoint, **options)
+
+
+def test_top_k_top_p_and_min_tokens_do_what_they_say(checkpoint, reference):
+    prompt = PROMPTS[0]
+    greedy = reference[tuple(prompt)]
+    with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
+
+        def tokens(**sampling) -> list[int]:
+            params = SamplingParams(max_tokens=12, ignore_eos=True, seed=1, **sampling)
+            return llm.generate([prompt], params)[0].outputs[0].token_ids
+
+        # One candidate left: a draw at any temperature is the argmax.
+        assert tokens(temperature=1.5, top_k=1) == greedy
+        assert tokens(temperature=1.5, top_p=1e-6) == greedy
+        assert tokens(temperature=1.5) != greedy  # the same draw without the filters wanders
+        # min_tokens: a stop token cannot end the output before it.
+        stop = greedy[0]
+        early = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))
+        assert early[0].outputs[0].token_ids == [stop]
+        held = llm.generate(
+            [prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], min_tokens=4)
+        )[0].outputs[0]
+        assert len(held.token_ids) >= 4 and stop not in held.token_ids[:4]
+
+
+def test_prefix_cache_evicts_under_pressure_and_outputs_stay(checkpoint, reference):
+    bytes_per_block = 4 * (16 + 8) * 4 * 4  # block_size 4, latent 16+8, 4 layers, fp32
+    with LLM(checkpoint, kv_cache_memory=12 * bytes_per_block, block_size=4) as llm:
+        first = run_all(llm, PROMPTS[1:2])  # 11 prompt tokens: 2 full blocks sealed for reuse
+        run_all(llm, [[0, 60 + i, 61 + i, 62 + i, 63 + i, 64 + i, 65 + i, 66 + i, 67 + i] for i in range(6)])
+        assert llm.engine.blocks.stats.evictions > 0  # the cached blocks went to the later prompts
+        assert run_all(llm, PROMPTS[1:2]) == first == [reference[tuple(PROMPTS[1])]]
