@@ -121,28 +121,7 @@ def test_deployment_files_load_and_plan_or_say_what_is_wrong(tmp_path_factory, r
 
 
 @FUZZ
-@given(
-    st.one_of(
-        VALUES,
-        st.dictionaries(
-            st.sampled_from(
-                [
-                    "model",
-                    "messages",
-                    "prompt",
-                    "max_tokens",
-                    "stop",
-                    "n",
-                    "logprobs",
-                    "top_logprobs",
-                    "stream",
-                    "seed",
-                ]
-            ),
-            VALUES,
-        ),
-    )
-)
+@given(st.one_of(VALUES, st.dictionaries(st.sampled_from(REQUEST_KEYS), VALUES)))
 @pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
 def test_request_bodies_parse_or_get_a_400_naming_the_field(model, body):
     try:

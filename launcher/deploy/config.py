@@ -249,7 +249,7 @@ def _read_yaml(file: Path) -> dict[str, Any]:
         raise DeployConfigError(f"{file}: YAML syntax error at {where}: {e.problem}{context}") from None
     if not isinstance(raw, dict):
         raise DeployConfigError(
-            f"{file}: (top level): given {_show(raw)}; allowed: a mapping with keys "
+            f"{file}: (top level): given {show_value(raw)}; allowed: a mapping with keys "
             f"{', '.join(DeployConfig.model_fields)}"
         )
     return raw
@@ -287,7 +287,8 @@ def _apply_overrides(raw: dict[str, Any], overrides: list[str], source: str) -> 
             if not isinstance(child, dict):
                 where = ".".join(keys[: depth + 1])
                 raise DeployConfigError(
-                    f"{source}: --set {text}: {where} is {_show(child)}, not a mapping with keys under it"
+                    f"{source}: --set {text}: {where} is {show_value(child)}, "
+                    "not a mapping with keys under it"
                 )
             node = child
         node[keys[-1]] = value
@@ -312,7 +313,7 @@ def _switch_job_mode(raw: dict[str, Any], applied: dict[tuple[str, ...], str]) -
 
 
 def _problem(source: str, applied: dict[tuple[str, ...], str], path: str, given: Any, allowed: str) -> str:
-    return f"{source}: {path}: given {_show(given)}{_from_set(applied, path)}; allowed: {allowed}"
+    return f"{source}: {path}: given {show_value(given)}{_from_set(applied, path)}; allowed: {allowed}"
 
 
 def _from_set(applied: dict[tuple[str, ...], str], path: str) -> str:
@@ -324,7 +325,8 @@ def _from_set(applied: dict[tuple[str, ...], str], path: str) -> str:
     return ""
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A value as messages quote it: its repr, cut short."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -20,6 +20,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from moelaunch.launcher.deploy.config import show_value
 from moelaunch.launcher.jobs.drive import Request
 from moelaunch.launcher.serve import responses
 from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
@@ -126,17 +127,12 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         if len(forms) > 1 and all(not f.isdigit() for f in forms):
             raise APIError(
                 400,
-                f"{field}: given {_show(err['input'])}; allowed: {' or '.join(dict.fromkeys(forms))}",
+                f"{field}: given {show_value(err['input'])}; allowed: {' or '.join(dict.fromkeys(forms))}",
                 field,
             ) from None
         path = ".".join(str(part) for part in err["loc"]) or "(body)"
-        given = f" (given {_show(err['input'])})" if err["type"] != "missing" else ""
+        given = f" (given {show_value(err['input'])})" if err["type"] != "missing" else ""
         raise APIError(400, f"{path}: {err['msg']}{given}", field) from None
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_model(state: ServerState, name: str) -> None:
