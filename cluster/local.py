@@ -8,11 +8,19 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
+from moelaunch.cluster.errors import ClusterError, is_peer_failure
 from moelaunch.cluster.rendezvous import RankEnv
 
 PR_SET_PDEATHSIG = 1
+# The exit code of a worker that stopped because a collective failed: a peer is at fault, not it.
+PEER_FAILED_EXIT = 3
+# After a collective fails on rank 0, how long to wait for the worker at fault to show its exit.
+BLAME_WINDOW_S = 3.0
 
 
 def _worker_signals() -> None:
@@ -48,3 +56,69 @@ def stop_workers(procs: list[subprocess.Popen], timeout_s: float = 30.0, termina
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+@contextmanager
+def blaming_workers(procs: list[subprocess.Popen], timeout_s: float) -> Iterator[None]:
+    """Rank 0's side of a local job: a collective that fails inside becomes one ClusterError naming the
+    worker rank at fault and the cause."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not procs or isinstance(e, ClusterError) or not is_peer_failure(e):
+            raise
+        raise _blame(procs, e, timeout_s) from None
+
+
+def _blame(procs: list[subprocess.Popen], error: RuntimeError, timeout_s: float) -> ClusterError:
+    """A worker that died on its own (any exit but PEER_FAILED_EXIT); else, on a timeout, the workers still
+    running (they never reached the collective); else rank 0 was the late one (all peers gave up)."""
+    deadline = time.monotonic() + BLAME_WINDOW_S
+    while True:
+        culprits = [(r, p) for r, p in enumerate(procs, start=1) if p.poll() not in (None, PEER_FAILED_EXIT)]
+        if culprits or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    rerun = "The job was stopped; run it again to resume (a batch keeps every finished result)"
+    if culprits:
+        rank, proc = culprits[0]
+        return ClusterError(f"rank {rank} (pid {proc.pid}) stopped: {_exit_cause(proc.returncode)}. {rerun}")
+    limit = f"the collective timeout ({timeout_s:g} s: cluster.timeouts.collective_s, or --timeout)"
+    running = [f"rank {r} (pid {p.pid})" for r, p in enumerate(procs, start=1) if p.poll() is None]
+    if running and "Timed out" in str(error):
+        return ClusterError(
+            f"{', '.join(running)} did not reach a collective within {limit} while rank 0 waited: slower "
+            f"than the timeout, or stuck. {rerun}; raise the timeout if a rank is busy that long"
+        )
+    if not running:
+        return ClusterError(
+            f"rank 0 was slower than {limit}: every other rank stopped waiting for it. {rerun}"
+        )
+    return ClusterError(f"a collective failed ({str(error).splitlines()[0]}). {rerun}")
+
+
+def _exit_cause(returncode: int) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode} (its output is above)"
+
+
+class WorkerWatch:
+    """Rank 0's object (its engine) seen through `blaming_workers`: every method call that fails in a
+    collective raises one ClusterError naming the worker at fault instead of gloo's connection error."""
+
+    def __init__(self, target: Any, procs: list[subprocess.Popen], timeout_s: float) -> None:
+        self._target, self._procs, self._timeout_s = target, procs, timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr):
+            return attr
+        return self._watched(attr)
+
+    def _watched(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with blaming_workers(self._procs, self._timeout_s):
+                return method(*args, **kwargs)
+
+        return call

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
 
-from moelaunch.cluster.local import spawn_workers, stop_workers
+from moelaunch.cluster.local import WorkerWatch, blaming_workers, spawn_workers, stop_workers
 from moelaunch.cluster.rendezvous import RankEnv, free_port
 from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.launch import EngineSpec, build_engine
@@ -81,8 +81,15 @@ class LLM:
                 spec.world, "moelaunch.launcher.engine.worker", [spec.to_json()], port, env
             )
             rank_env = RankEnv(0, 0, spec.world, spec.world, "127.0.0.1", port)
-        self.engine = build_engine(spec, rank_env)
-        self.tokenizer = self.engine.tokenizer
+        try:
+            with blaming_workers(self._workers, spec.timeout_s):
+                engine = build_engine(spec, rank_env)
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+        # A dead or late worker ends the job with one message naming it, not gloo's connection error.
+        self.engine = WorkerWatch(engine, self._workers, spec.timeout_s) if self._workers else engine
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -163,4 +170,5 @@ class LLM:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
-        self.shutdown(graceful=kind is None or not issubclass(kind, KeyboardInterrupt))
+        # After any error the ranks may be inside a collective that rank 0 left, or dead: terminate them.
+        self.shutdown(graceful=kind is None)

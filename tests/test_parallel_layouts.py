@@ -30,6 +30,7 @@ PLAN = {
     "tp2xdp2": {"shape": [2, 1, 2], "requests": REQUESTS},
     "pp2": {"shape": [1, 2, 1], "requests": REQUESTS},
     "pp2xtp2": {"shape": [1, 2, 2], "requests": REQUESTS},
+    "dp2xpp2": {"shape": [2, 2, 1], "requests": REQUESTS},
     "dp2-one-idle": {"shape": [2, 1, 1], "requests": REQUESTS[:1]},
     "dp2-redundant-experts": {
         "shape": [2, 1, 1],

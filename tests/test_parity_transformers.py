@@ -7,6 +7,7 @@ import pytest
 import torch
 from tiny_models import YARN, make_hf_model
 
+from moelaunch.kernels import grouped_linear_cpu, mla_decode_cpu
 from moelaunch.model import load_model
 from moelaunch.model.single_sequence import generate
 
@@ -45,20 +46,63 @@ def prompt(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(2, 320, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def test_logits_match_transformers(pair):
+@pytest.fixture(params=["cpu-kernels", "torch-paths"])
+def kernel_paths(request, monkeypatch) -> list[str]:
+    """Run a test with the C++ CPU kernels, and again on the torch paths (what a GPU machine runs around
+    its Triton kernels); yields the CPU kernels that ran, so each run proves which path it took."""
+    calls: list[str] = []
+    if request.param == "torch-paths":
+        monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")
+    else:
+        monkeypatch.delenv("MOELAUNCH_CPU_KERNELS", raising=False)
+    for module, name in [
+        (mla_decode_cpu, "paged_mla_decode_cpu"),
+        (grouped_linear_cpu, "grouped_linear_cpu"),
+    ]:
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    yield calls
+    assert bool(calls) == (request.param == "cpu-kernels"), f"{request.param}: CPU kernels ran: {set(calls)}"
+
+
+def test_logits_match_transformers(pair, kernel_paths):
     reference, ours = pair
     ids = prompt(2, 24)
     with torch.no_grad():
         expected = reference(ids).logits
     assert (ours(ids) - expected).abs().max().item() <= 1e-4
+    ours(ids[:1, :3])  # a decode-sized forward, so that the CPU kernels run when they are on
 
 
-def test_greedy_tokens_with_cache_match_transformers(pair):
+def test_greedy_tokens_with_cache_match_transformers(pair, kernel_paths):
     reference, ours = pair
     ids = prompt(1, 12, seed=2)
     with torch.no_grad():
         out = reference.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert generate(ours, ids[0].tolist(), 32) == out[0, 12:].tolist()
+
+
+def test_bf16_logits_are_as_close_as_transformers_own_bf16(tmp_path):
+    """In bfloat16 our model's logits stay as close to the float32 result as transformers' own bf16 run
+    does (both round weights and activations to 8-bit mantissas), and the greedy tokens mostly agree."""
+    import transformers
+
+    path = make_hf_model(tmp_path / "tiny", "v3", rope_scaling=YARN)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    reference_bf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ours_bf16 = load_model(path, dtype=torch.bfloat16)
+    ids = prompt(2, 24, seed=7)
+    with torch.no_grad():
+        exact, theirs = reference(ids).logits, reference_bf16(ids).logits.float()
+    assert next(ours_bf16.parameters()).dtype == torch.bfloat16
+    ours = ours_bf16(ids)  # logits come out in float32 (the head's output), from bf16 weights and activations
+    their_error = (theirs - exact).abs().max().item()
+    our_error = (ours.float() - exact).abs().max().item()
+    print(f"max |logit - fp32 logit|: ours bf16 {our_error:.4f}, transformers bf16 {their_error:.4f}")
+    assert 0 < our_error <= 2 * their_error
+    tokens_fp32 = generate(load_model(path), ids[0].tolist(), 16)
+    tokens_bf16 = generate(ours_bf16, ids[0].tolist(), 16)
+    assert tokens_bf16[:4] == tokens_fp32[:4]
 
 
 def test_absorbed_and_naive_mla_agree(pair):
