@@ -1,0 +1,37 @@
+"""Under CI a skip fails the run unless tests/conftest.py's EXPECTED_SKIPS allows it (with its reason):
+run pytest on two small test files, one skipping for an allowed reason and one not."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import EXPECTED_SKIPS
+
+SKIPPING = 'import pytest\n\n\ndef test_skips():\n    pytest.skip("{reason}")\n'
+
+
+def run_ci_pytest(root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CI": "true"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root), "tests"]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_only_the_allowed_skips_pass_under_ci(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), tests / "conftest.py")
+    prefix, needle, _ = EXPECTED_SKIPS[0]
+    allowed = tmp_path / prefix.removesuffix("::")
+    allowed.write_text(SKIPPING.format(reason=needle))
+    done = run_ci_pytest(tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:]
+
+    (tests / "test_other.py").write_text(SKIPPING.format(reason=needle))  # an allowed reason, another file
+    done = run_ci_pytest(tmp_path)
+    assert done.returncode == 1
+    assert "CI: unexpected skip tests/test_other.py::test_skips" in done.stdout, done.stdout[-2000:]
+    assert "test_cuda_kernels" not in done.stdout.split("unexpected skip", 1)[1].split("\n")[0]
