@@ -14,12 +14,13 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
-from ray_nodes import REPO, isolated_network, netns_prefix, node_env, start_raylet, two_hosts
+from ray_nodes import REPO, Raylet, isolated_network, netns_prefix, node_env, start_raylet, two_hosts
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 pytest.importorskip("ray")
@@ -336,23 +337,108 @@ def test_nodes_sharing_an_ip_are_refused(tmp_path, checkpoint, loopback_cluster)
     )
 
 
-@pytest.mark.slow
-@needs_private_net
-def test_two_network_namespaces_tp2_dp2_match_one_process(tmp_path, checkpoint, reference):
-    with two_hosts("10.201.0") as (host_a, host_b):
+@dataclass
+class TwoHosts:
+    """Two raylets, each in its own network namespace (a "host"), joined by one link."""
+
+    address: str
+    netns: tuple[str, str]
+    nodes: list[Raylet]
+
+    def restart_second_node(self) -> None:
+        self.nodes[1] = start_raylet(SUBNET + ".2", head=self.address, netns=self.netns[1])
+
+
+SUBNET = "10.201.0"
+
+
+@pytest.fixture(scope="module")
+def two_network_namespaces():
+    if not isolated_network():
+        pytest.skip("Ray tests run inside a network namespace with only lo (see .ci/run)")
+    with two_hosts(SUBNET) as (host_a, host_b):
         port = 6380  # the namespaces are new: every port is free there
-        nodes = [start_raylet("10.201.0.1", port=port, netns=host_a)]
+        address = f"{SUBNET}.1:{port}"
+        hosts = TwoHosts(address, (host_a, host_b), [start_raylet(f"{SUBNET}.1", port=port, netns=host_a)])
         try:
-            nodes.append(start_raylet("10.201.0.2", head=f"10.201.0.1:{port}", netns=host_b))
-            config = deployment(
-                tmp_path, checkpoint, f"10.201.0.1:{port}", cluster__env={"GLOO_SOCKET_IFNAME": "eth1"}
-            )
-            done = launch(config, netns=host_a)
-            assert done.returncode == 0, done.stderr[-3000:]
-            assert results(tmp_path / "results.jsonl") == reference
-            table = rank_table(done.stderr)
-            assert {ip for ip, _ in table.values()} == {"10.201.0.1", "10.201.0.2"}
+            hosts.nodes.append(start_raylet(f"{SUBNET}.2", head=address, netns=host_b))
+            yield hosts
         finally:
-            for node in reversed(nodes):
+            for node in reversed(hosts.nodes):
                 node.stop()
-        assert not any(node.group_alive() for node in nodes)
+        assert not any(node.group_alive() for node in hosts.nodes)
+
+
+@pytest.mark.slow
+def test_two_network_namespaces_tp2_dp2_match_one_process(
+    tmp_path, checkpoint, reference, two_network_namespaces
+):
+    hosts = two_network_namespaces
+    config = deployment(tmp_path, checkpoint, hosts.address, cluster__env={"GLOO_SOCKET_IFNAME": "eth1"})
+    done = launch(config, netns=hosts.netns[0])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert results(tmp_path / "results.jsonl") == reference
+    table = rank_table(done.stderr)
+    assert {ip for ip, _ in table.values()} == {f"{SUBNET}.1", f"{SUBNET}.2"}
+
+
+@pytest.mark.slow
+def test_a_stopped_node_ends_the_job_naming_it_and_a_rerun_resumes(
+    tmp_path, checkpoint, two_network_namespaces
+):
+    hosts = two_network_namespaces
+    prompts = {f"r{i}": f"request number {i}" for i in range(8)}
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    with LLM(checkpoint, max_model_len=128) as llm:
+        outs = llm.generate(list(prompts.values()), greedy)
+    expected = {k: o.outputs[0].token_ids for k, o in zip(prompts, outs, strict=True)}
+    # One sequence per replica at a time, 32 tokens each: results trickle out for several seconds.
+    config = deployment(
+        tmp_path,
+        checkpoint,
+        hosts.address,
+        cluster__env={"GLOO_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "1"},
+        engine__max_num_seqs=1,
+        job__max_tokens=32,
+    )
+    write_prompts(tmp_path / "prompts.jsonl", prompts, ignore_eos=True)
+    out = tmp_path / "results.jsonl"
+    proc = subprocess.Popen(
+        [*netns_prefix(hosts.netns[0]), sys.executable, "-m", "moelaunch.launcher.cli", str(config)],
+        cwd=REPO,
+        env=node_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(rank_table("".join(err))) == 4 and out.exists() and out.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, "the job ended before the node could be stopped:\n" + "".join(err)[-3000:]
+    table = rank_table("".join(err))
+    stopped_at = time.monotonic()
+    hosts.nodes[1].stop()  # the second host's raylet and everything it started, as a node going down
+    rc = proc.wait(timeout=90)
+    reader.join(timeout=10)
+    stderr = "".join(err)
+    assert rc != 0
+    assert time.monotonic() - stopped_at < 60, "the lost node was not noticed within the call timeout"
+    lost = [r for r, (ip, _) in table.items() if ip == f"{SUBNET}.2"]
+    assert re.search(rf"rank ({'|'.join(map(str, lost))}) on node {SUBNET}.2 \(pid \d+\) stopped", stderr), (
+        stderr[-3000:]
+    )
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert_gone([p for _, p in table.values()])
+    partial = results(out)
+    assert 2 <= len(partial) < len(prompts)
+
+    hosts.restart_second_node()
+    done = launch(config, "--set", "engine.max_num_seqs=8", netns=hosts.netns[0])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{len(partial)} already in" in done.stdout
+    assert results(out) == expected
