@@ -95,3 +95,18 @@ def test_training_script_smoke(tmp_path):
     model = load_model(out)
     assert len(model.mtp) == 1
     assert model(torch.tensor([[0, 3, 6]])).shape == (1, 3, model.args.vocab_size)
+
+
+def test_accuracy_through_the_engine_with_mtp():
+    """The same floor through the path `launch` and the API take: the engine, chat template, batching,
+    paged cache and MTP speculative decoding."""
+    from moelaunch.launcher import LLM, SamplingParams
+
+    problems = held_out_sample(40)
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    with LLM(str(CKPT), speculative="mtp") as llm:
+        outs = llm.chat([[{"role": "user", "content": p.prompt}] for p in problems], greedy)
+        acceptance = llm.engine.stats.spec_acceptance
+    right = sum(is_correct(p, o.outputs[0].text.strip()) for p, o in zip(problems, outs, strict=True))
+    assert right / len(problems) >= 0.95
+    assert acceptance is not None and acceptance > 0.5
