@@ -1,8 +1,8 @@
-"""Block-scaled FP8, paged MLA decode and few-row linear kernels: Triton on CUDA; on the CPU C++
-kernels for paged MLA decode, few-row linears and the fused per-token steps (`kernels/fused.py`), torch
-references for the rest.
+"""Block-scaled FP8, INT8/INT4 weight, paged MLA decode and few-row linear kernels: Triton on CUDA;
+on the CPU C++ kernels for paged MLA decode, few-row linears and the fused per-token steps
+(`kernels/fused.py`), torch references for the rest.
 
-The choice is made per call by `moelaunch.kernels.dispatch`.
+The choice is made per call by `moelaunch.kernels.dispatch` (`int_dispatch` for the INT8/INT4 ones).
 """
 
 from __future__ import annotations
@@ -22,24 +22,49 @@ from moelaunch.kernels.dispatch import (
 )
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
 from moelaunch.kernels.fused import mla_latent, moe_combine, rms_norm, rotate_tail, silu_mul
+from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
+from moelaunch.kernels.int_dispatch import (
+    int4_dequant,
+    int4_linear,
+    int4_weight_quant,
+    int8_act_quant,
+    int8_dequant,
+    int8_linear,
+    int8_weight_quant,
+    w8a8_linear,
+)
+from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
 
 __all__ = [
     "BLOCK_SIZE",
+    "FP8_KV_DTYPE",
     "FP8_MAX",
+    "INT4_GROUP_SIZE",
+    "SCALES_PER_TOKEN",
     "act_quant",
+    "dequantize_latent",
     "fp8_gemm",
     "fp8_linear",
     "grouped_linear",
+    "int4_dequant",
+    "int4_linear",
+    "int4_weight_quant",
+    "int8_act_quant",
+    "int8_dequant",
+    "int8_linear",
+    "int8_weight_quant",
     "linear",
     "mla_latent",
     "moe_combine",
     "paged_mla_decode",
     "prepare_cpu_kernels",
+    "quantize_latent",
     "rms_norm",
     "rotate_tail",
     "silu_mul",
     "use_triton",
     "uses_grouped_linear_kernel",
+    "w8a8_linear",
     "weight_dequant",
     "weight_quant",
 ]

@@ -95,16 +95,24 @@ def prepare_cpu_kernels() -> bool:
 
 
 def paged_mla_decode(
-    q_latent: Tensor, q_pe: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float
+    q_latent: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    cache_scales: Tensor | None = None,
+    starts: Tensor | None = None,
 ) -> Tensor:
-    """Paged MLA decode attention in latent space: [R, H, C] (see `mla_decode_reference`)."""
+    """Paged MLA decode attention in latent space: [R, H, C] (see `mla_decode_reference`); an fp8 cache
+    comes with its scales, a sliding window with each row's first position."""
+    args = (q_latent, q_pe, cache, block_table, seq_lens, scale)
     if use_triton(q_latent):
-        fn = _mla_triton().paged_mla_decode_triton
-    elif prepare_cpu_kernels():
-        fn = mla_cpu.paged_mla_decode_cpu
-    else:
-        fn = mla_ref.paged_mla_decode_ref
-    return fn(q_latent, q_pe, cache, block_table, seq_lens, scale)
+        return _mla_triton().paged_mla_decode_triton(*args, cache_scales, starts)
+    # The C++ kernel reads fp32 and bf16 caches; fp8 ones take the reference.
+    if cache_scales is None and prepare_cpu_kernels():
+        return mla_cpu.paged_mla_decode_cpu(*args, starts)
+    return mla_ref.paged_mla_decode_ref(*args, cache_scales, starts)
 
 
 # Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:

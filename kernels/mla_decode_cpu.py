@@ -15,9 +15,16 @@ from moelaunch.kernels.cpu_extension import cast_if_needed
 
 
 def paged_mla_decode_cpu(
-    q_latent: Tensor, q_pe: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float
+    q_latent: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    starts: Tensor | None = None,
 ) -> Tensor:
-    """Same contract as `mla_decode_reference.paged_mla_decode_ref`; needs the CPU kernels built."""
+    """Same contract as `mla_decode_reference.paged_mla_decode_ref` for fp32 and bf16 caches (fp8 ones
+    take the reference); needs the CPU kernels built."""
     out = cpu_extension.require().paged_mla_decode_cpu(
         cast_if_needed(q_latent, torch.float32).contiguous(),
         cast_if_needed(q_pe, torch.float32).contiguous(),
@@ -25,5 +32,6 @@ def paged_mla_decode_cpu(
         block_table.contiguous(),
         cast_if_needed(seq_lens, torch.int64).contiguous(),
         float(scale),
+        cast_if_needed(starts, torch.int64).contiguous() if starts is not None else None,
     )
     return cast_if_needed(out, q_latent.dtype)

@@ -1,12 +1,14 @@
 """Triton paged MLA decode attention; same signature and numerics as `mla_decode_reference`.
 
-One program per (query row, block of heads) walks the row's tokens in tiles with an online softmax
+One program per (query row, block of heads) walks the row's tokens (from its start, when a sliding window
+gives one) in tiles with an online softmax
 (flash-decoding without the split over the sequence), fp32 statistics and accumulator. All heads share one
 latent key per token, so a program loads each token's [c | k_pe] once for all of its heads.
 
 Under the Triton interpreter (TRITON_INTERPRET=1) float->bf16 casts truncate (triton issue 8322), so there
 the dots run in fp32 and the kernel writes fp32 that torch casts; on a GPU 16-bit caches go through the
-tensor cores with the probabilities cast to the cache dtype, as flash attention does.
+tensor cores with the probabilities cast to the cache dtype, as flash attention does. An fp8 cache
+(`kv_fp8`) is read as stored and its per-token scales applied to the scores and probabilities.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ def _paged_mla_decode_kernel(
     q_ptr,
     q_pe_ptr,
     cache_ptr,
+    scales_ptr,
     table_ptr,
     lens_ptr,
+    starts_ptr,
     out_ptr,
     scale,
     H,
     stride_block,
     stride_slot,
+    stride_scale_block,
     stride_table,
     C: tl.constexpr,
     P: tl.constexpr,
@@ -55,6 +60,8 @@ def _paged_mla_decode_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    CACHE_FP8: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -69,10 +76,11 @@ def _paged_mla_decode_kernel(
     q_pe = tl.load(q_pe_ptr + qh[:, None] * P + ps[None, :], mask=head_ok[:, None] & p_ok[None, :], other=0.0)
 
     seq_len = tl.load(lens_ptr + row)
+    first = tl.load(starts_ptr + row) if HAS_STARTS else 0
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], dtype=tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(first, seq_len, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         tok_ok = pos < seq_len
         # Each token finds its block through the table; tokens past the end (partial last tile) load
@@ -81,8 +89,18 @@ def _paged_mla_decode_kernel(
         tok = cache_ptr + block.to(tl.int64) * stride_block + (pos % BLOCK_SIZE) * stride_slot
         c = tl.load(tok[:, None] + cs[None, :], mask=tok_ok[:, None] & c_ok[None, :], other=0.0)
         k_pe = tl.load(tok[:, None] + C + ps[None, :], mask=tok_ok[:, None] & p_ok[None, :], other=0.0)
-
-        s = _dot(q, tl.trans(c), FP32_DOT) + _dot(q_pe, tl.trans(k_pe), FP32_DOT)
+        if CACHE_FP8:
+            # e4m3 values are exact in bf16, so the dots run on them as stored and each token's scales
+            # (one for c, one for k_pe) multiply its scores and its probability instead.
+            c = c.to(tl.float32 if FP32_DOT else tl.bfloat16)
+            k_pe = k_pe.to(c.dtype)
+            sc_ptr = scales_ptr + block.to(tl.int64) * stride_scale_block + (pos % BLOCK_SIZE) * 2
+            c_scale = tl.load(sc_ptr, mask=tok_ok, other=0.0)
+            pe_scale = tl.load(sc_ptr + 1, mask=tok_ok, other=0.0)
+            s = _dot(q, tl.trans(c), FP32_DOT) * c_scale[None, :]
+            s += _dot(q_pe, tl.trans(k_pe), FP32_DOT) * pe_scale[None, :]
+        else:
+            s = _dot(q, tl.trans(c), FP32_DOT) + _dot(q_pe, tl.trans(k_pe), FP32_DOT)
         s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
         # Online softmax: rescale what was summed so far to the new running max. Every tile holds at least
         # one real token (start < seq_len), so m_new is finite and no -inf - -inf appears.
@@ -90,7 +108,11 @@ def _paged_mla_decode_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p, c, FP32_DOT)
+        if CACHE_FP8:
+            p_v = p * c_scale[None, :]
+        else:
+            p_v = p
+        acc = acc * alpha[:, None] + _dot(p_v, c, FP32_DOT)
         m_i = m_new
 
     out = acc / l_i[:, None]
@@ -104,29 +126,43 @@ def _tile(n: int) -> int:
 
 
 def paged_mla_decode_triton(
-    q_latent: Tensor, q_pe: Tensor, cache: Tensor, block_table: Tensor, seq_lens: Tensor, scale: float
+    q_latent: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    cache_scales: Tensor | None = None,
+    starts: Tensor | None = None,
 ) -> Tensor:
     r, h, c_dim = q_latent.shape
     p_dim = q_pe.shape[-1]
     assert cache.shape[-1] == c_dim + p_dim, f"cache rows {cache.shape[-1]} != C + P = {c_dim + p_dim}"
     # The cache is large and paged in place: index it through its strides instead of copying it.
     assert cache.stride(-1) == 1, "cache's last dim must be contiguous"
+    fp8 = cache_scales is not None
+    if fp8:
+        assert cache_scales.stride(1) == 2 and cache_scales.stride(2) == 1, "scales: [blocks, slots, 2]"
     interpreted = interpreting()
     out_dtype = torch.float32 if interpreted else q_latent.dtype
     out = torch.empty(r, h, c_dim, dtype=out_dtype, device=q_latent.device)
     table = block_table.contiguous()
+    lens = seq_lens.contiguous()
     grid = (r, triton.cdiv(h, HEADS_PER_PROGRAM))
     _paged_mla_decode_kernel[grid](
         q_latent.contiguous(),
         q_pe.contiguous(),
         cache,
+        cache_scales if fp8 else cache,  # never read without CACHE_FP8
         table,
-        seq_lens.contiguous(),
+        lens,
+        starts.contiguous() if starts is not None else lens,  # never read without HAS_STARTS
         out,
         scale,
         h,
         cache.stride(0),
         cache.stride(1),
+        cache_scales.stride(0) if fp8 else 0,
         table.stride(0),
         C=c_dim,
         P=p_dim,
@@ -136,5 +172,7 @@ def paged_mla_decode_triton(
         BLOCK_P=_tile(p_dim),
         BLOCK_N=TOKENS_PER_TILE,
         FP32_DOT=interpreted or cache.dtype == torch.float32,
+        CACHE_FP8=fp8,
+        HAS_STARTS=starts is not None,
     )
     return out.to(q_latent.dtype)

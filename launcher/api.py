@@ -36,7 +36,7 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
         known = ", ".join(EngineConfig.model_fields)
         problems = [
             f"{'.'.join(map(str, err['loc']))}: {err['msg']} (given {err.get('input')!r})"
-            if err["type"] != "extra_forbidden"
+            if err["type"] != "extra_forbidden" or len(err["loc"]) > 1  # nested: "attention.size: ..."
             else f"unknown LLM option {err['loc'][0]!r}; the options are {known}"
             for err in e.errors(include_url=False)
         ]
@@ -54,13 +54,18 @@ class LLM:
         fp8: str = "auto",
         expert_placement: list[list[int]] | None = None,
         timeout_s: float = 300.0,
+        quantization: str = "none",
         **engine_options: Any,
     ) -> None:
-        """engine_options: any EngineConfig field (max_model_len, kv_cache_memory, kv_cache_fraction,
-        block_size, max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, speculative,
-        skip_tokenizer_init...)."""
+        """quantization: none | int8 | w8a8 | int4, the projections quantized at load (an int8/int4
+        checkpoint from `launch convert` runs as it is with none).
+        engine_options: any EngineConfig field (max_model_len, kv_cache_memory, kv_cache_fraction,
+        block_size, kv_cache_dtype, attention, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
+        seed, speculative, skip_tokenizer_init...)."""
         config = engine_config(engine_options)
-        spec = EngineSpec(str(model), tp, dp, pp, dtype, fp8, config, expert_placement, timeout_s)
+        spec = EngineSpec(
+            str(model), tp, dp, pp, dtype, fp8, config, expert_placement, timeout_s, quantization
+        )
         self._start(spec, {})
 
     @classmethod

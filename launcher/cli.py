@@ -18,8 +18,11 @@ SUBCOMMANDS: dict[str, str] = {
     "batch": "moelaunch.launcher.commands.batch",
     "bench": "moelaunch.launcher.commands.bench",
     "convert": "moelaunch.launcher.commands.convert",
+    "distill": "moelaunch.launcher.commands.distill",
     "eval": "moelaunch.launcher.commands.eval",
     "plan": "moelaunch.launcher.commands.plan",
+    "prune": "moelaunch.launcher.commands.prune",
+    "report": "moelaunch.launcher.commands.report",
     "serve": "moelaunch.launcher.commands.serve",
     "slurm": "moelaunch.launcher.commands.slurm",
 }

@@ -2,7 +2,7 @@
 
 from moelaunch.model.checkpoint import CheckpointError, CheckpointReader
 from moelaunch.model.config import ConfigError, ModelArgs, args_from_hf_config, load_args
-from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.kv_cache import PagedLatentCache, SparseAttention
 from moelaunch.model.loading import load_model
 from moelaunch.model.transformer import Transformer
 
@@ -11,6 +11,7 @@ __all__ = [
     "CheckpointReader",
     "ConfigError",
     "PagedLatentCache",
+    "SparseAttention",
     "ModelArgs",
     "Transformer",
     "args_from_hf_config",

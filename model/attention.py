@@ -27,11 +27,15 @@ AttnImpl = Literal["auto", "naive", "absorbed"]
 PREFILL_QUERY_BLOCK = 128
 
 
-def causal_mask(n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
-    """[T, S] additive mask for queries at positions S-T..S-1 over keys 0..S-1."""
+def causal_mask(n_queries: int, n_keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[T, S] additive mask for queries at positions S-T..S-1 over keys 0..S-1; with a window, a query
+    at q also drops the keys before q - window."""
     q_pos = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]
     k_pos = torch.arange(n_keys, device=device)[None, :]
-    return torch.zeros(n_queries, n_keys, device=device).masked_fill_(k_pos > q_pos, float("-inf"))
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos < q_pos - window
+    return torch.zeros(n_queries, n_keys, device=device).masked_fill_(hidden, float("-inf"))
 
 
 def _is_rectangle(layout: BatchLayout) -> bool:
@@ -116,10 +120,13 @@ class MLA(nn.Module):
             rows = slice(span.offset, span.offset + span.length)
             keys, pes = kv[rows], k_pe[rows]
             # A span that starts the sequence has all its keys in this pass; earlier ones come from the
-            # cache (read back only when it holds them in another dtype, as decode will see them).
+            # cache (read back only when it holds them in another dtype, as decode will see them), from
+            # the first one a sliding window lets its first query see.
             if cache is not None and (span.start_pos > 0 or cache.pool.dtype != kv.dtype):
-                keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos)
-            mask = causal_mask(span.length, keys.shape[0], x.device) if span.length > 1 else None
+                first = cache.sparse.first_visible(span.start_pos)
+                keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos, first)
+            window = cache.sparse.window if cache is not None else None
+            mask = causal_mask(span.length, keys.shape[0], x.device, window) if span.length > 1 else None
             absorbed = impl == "absorbed" or (impl == "auto" and span.length == 1)
             if absorbed:
                 out[rows] = self._absorbed(q_nope[rows], q_pe[rows], keys, pes, mask)

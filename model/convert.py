@@ -1,7 +1,9 @@
-"""Checkpoint conversions between block-FP8 and plain (bf16/fp32) Hugging Face directories.
+"""Checkpoint conversions between block-FP8, integer-quantized and plain (bf16/fp32) Hugging Face
+directories.
 
-Both work shard by shard, so converting a 671B checkpoint needs the memory of one shard, and both
-keep shard file names and tensor names: only `*_scale_inv` tensors appear or disappear.
+All work shard by shard, so converting a 671B checkpoint needs the memory of one shard, and all keep
+shard file names and tensor names, but for the quantization tensors: `*_scale_inv` (FP8), `*.weight_scale`
+(int8), and int4's `*.weight_packed`, `*.weight_scale`, `*.weight_zero_point` in place of `*.weight`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from safetensors.torch import save_file
 
 from moelaunch import kernels
 from moelaunch.model.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader
+from moelaunch.model.config import load_args
+from moelaunch.model.quantization import IntQuant, is_quantizable, quantize_weight, stored_quantization
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_QUANTIZATION_CONFIG = {
@@ -28,11 +32,6 @@ FP8_QUANTIZATION_CONFIG = {
 _REWRITTEN = {"config.json", INDEX_FILE}
 
 ShardFn = Callable[[CheckpointReader, list[str]], dict[str, torch.Tensor]]
-
-
-def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """The projections DeepSeek stores as FP8: attention, MLP, expert and MTP eh_proj weights."""
-    return len(shape) == 2 and name.endswith("_proj.weight")
 
 
 def fp8_to_bf16(src: str | Path, dst: str | Path) -> Path:
@@ -71,6 +70,45 @@ def quantize_fp8(src: str | Path, dst: str | Path) -> Path:
         return out
 
     return _convert(src, dst, shard, lambda cfg: {**cfg, "quantization_config": FP8_QUANTIZATION_CONFIG})
+
+
+def quantize_int(src: str | Path, dst: str | Path, quant: IntQuant) -> Path:
+    """Quantize the projections to int8 or int4 (a block-FP8 source is dequantized first); every other
+    tensor keeps its dtype, so the result runs exactly as `load_model(src, quantization=...)` does."""
+    stored = stored_quantization(load_args(src).quantization)
+    if stored is not None:
+        raise CheckpointError(f"{src} is already quantized ({stored.method}); convert the unquantized one")
+
+    def shard(reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            tensor = reader.read(name)
+            if reader.is_fp8(name):
+                scale = reader.read(name + SCALE_SUFFIX, torch.float32)
+                tensor = kernels.weight_dequant(tensor, scale, out_dtype=torch.float32)
+            if is_quantizable(name, tuple(tensor.shape)):
+                base = name.removesuffix("weight")
+                out |= {base + key: t for key, t in quantize_weight(tensor, quant).items()}
+            else:
+                # FP8 tensors quantization leaves alone (kv_a_proj_with_mqa) become bf16, as fp8-to-bf16 does.
+                out[name] = tensor.bfloat16() if reader.is_fp8(name) else tensor
+        return out
+
+    return _convert(src, dst, shard, lambda cfg: {**cfg, "quantization_config": quant.config()})
+
+
+def quantize_int8(src: str | Path, dst: str | Path) -> Path:
+    return quantize_int(src, dst, IntQuant("int8"))
+
+
+def quantize_w8a8(src: str | Path, dst: str | Path) -> Path:
+    return quantize_int(src, dst, IntQuant("w8a8"))
+
+
+def quantize_int4(src: str | Path, dst: str | Path, group_size: int = kernels.INT4_GROUP_SIZE) -> Path:
+    return quantize_int(src, dst, IntQuant("int4", group_size))
 
 
 def _convert(

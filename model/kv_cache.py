@@ -3,14 +3,43 @@ dim values, 576 for DeepSeek-V3), in fixed-size blocks that sequences address th
 
 A contiguous per-sequence cache is the special case of one block per sequence (block_size = max_len,
 sequence b in block b), which is what the rectangular `Transformer.forward` API uses.
+
+Optionally the values are stored in fp8 e4m3 with two fp32 scales per token (`kernels.kv_fp8`): half the
+bytes of bf16, so twice the tokens in the same memory. `SparseAttention` limits which cached tokens a
+query sees; both of its modes are approximations of the model's full attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from moelaunch import kernels
 from moelaunch.model.config import ModelArgs
+
+
+@dataclass(frozen=True)
+class SparseAttention:
+    """Approximations of full causal attention over the paged cache (None: off). At most one is set.
+
+    window: a query at position p attends to positions p - window .. p only, in prefill and decode;
+    the engine frees the blocks every later query has left behind.
+    topk_blocks: a decode query attends to the K full blocks whose mean latent scores highest against it
+    (the best over its heads; by linearity, the mean of the block's scores) plus its own, latest block;
+    prefill and multi-token spans (speculative verification) attend in full.
+    """
+
+    window: int | None = None
+    topk_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.topk_blocks is not None:
+            raise ValueError("give window or topk_blocks, not both (they are alternatives)")
+
+    def first_visible(self, pos: int) -> int:
+        """The first position a query at `pos` attends to."""
+        return max(0, pos - self.window) if self.window is not None else 0
 
 
 class PagedLatentCache:
@@ -22,30 +51,85 @@ class PagedLatentCache:
         layer_ids: list[int] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fp8: bool = False,
+        sparse: SparseAttention | None = None,
     ) -> None:
+        """dtype: what values are read back as (stored as such, or dequantized from fp8 when fp8)."""
         layer_ids = list(range(args.num_hidden_layers)) if layer_ids is None else layer_ids
         self.slot_of_layer = {layer: i for i, layer in enumerate(layer_ids)}
         self.kv_rank = args.kv_lora_rank
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.sparse = sparse or SparseAttention()
         width = args.kv_lora_rank + args.qk_rope_head_dim
+        n = len(layer_ids)
+        storage = kernels.FP8_KV_DTYPE if fp8 else dtype
         # Uninitialized: a slot is always written before any read covers it, and untouched pages of a
         # large CPU pool then cost no memory.
-        self.pool = torch.empty(len(layer_ids), num_blocks, block_size, width, dtype=dtype, device=device)
+        self.pool = torch.empty(n, num_blocks, block_size, width, dtype=storage, device=device)
+        shape = (n, num_blocks, block_size, kernels.SCALES_PER_TOKEN)
+        self.scales = torch.empty(shape, dtype=torch.float32, device=device) if fp8 else None
+        # Top-k block selection scores each full block by its mean latent, computed when the block fills.
+        topk = self.sparse.topk_blocks is not None
+        self.block_means = torch.empty(n, num_blocks, width, device=device) if topk else None
 
     @staticmethod
-    def bytes_per_token(args: ModelArgs, n_layers: int, dtype: torch.dtype) -> int:
-        return (args.kv_lora_rank + args.qk_rope_head_dim) * n_layers * torch.finfo(dtype).bits // 8
+    def bytes_per_token(args: ModelArgs, n_layers: int, dtype: torch.dtype, fp8: bool = False) -> int:
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+        if fp8:
+            return (width + kernels.SCALES_PER_TOKEN * 4) * n_layers
+        return width * n_layers * torch.finfo(dtype).bits // 8
+
+    @classmethod
+    def bytes_per_block(
+        cls,
+        args: ModelArgs,
+        n_layers: int,
+        block_size: int,
+        dtype: torch.dtype,
+        fp8: bool = False,
+        sparse: SparseAttention | None = None,
+    ) -> int:
+        """What one block costs, its top-k summary (one fp32 mean latent per layer) included."""
+        tokens = block_size * cls.bytes_per_token(args, n_layers, dtype, fp8)
+        topk = sparse is not None and sparse.topk_blocks is not None
+        return tokens + (args.kv_lora_rank + args.qk_rope_head_dim) * 4 * n_layers * topk
 
     def store(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
         """Write tokens' latents ([N, C + P]) at flat slots (block * block_size + offset)."""
-        flat = self.pool[self.slot_of_layer[layer]].view(-1, self.pool.shape[-1])
-        flat.index_copy_(0, slots, latent.to(flat.dtype))
+        i = self.slot_of_layer[layer]
+        flat = self.pool[i].view(-1, self.pool.shape[-1])
+        if self.scales is None:
+            flat.index_copy_(0, slots, latent.to(flat.dtype))
+        else:
+            values, scales = kernels.quantize_latent(latent, self.kv_rank)
+            # index_copy_ has no fp8 kernel; the bytes are the same through a uint8 view.
+            flat.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
+            self.scales[i].view(-1, kernels.SCALES_PER_TOKEN).index_copy_(0, slots, scales)
+        if self.block_means is not None:
+            # A block is full once its last slot is written (slots fill in order; a rejected speculative
+            # token is rewritten before any later slot, so the mean is taken over the final values).
+            filled = slots[slots % self.block_size == self.block_size - 1] // self.block_size
+            self.block_means[i, filled] = self._read(i, filled, torch.float32).mean(dim=1)
 
-    def gather(self, layer: int, block_row: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's first `length` cached tokens as contiguous (kv [L, C], pe [L, P])."""
+    def _read(self, i: int, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Blocks of layer slot i as values: [len(blocks), block_size, C + P] in dtype."""
+        if self.scales is None:
+            return self.pool[i, blocks].to(dtype)
+        return kernels.dequantize_latent(self.pool[i, blocks], self.scales[i, blocks], self.kv_rank, dtype)
+
+    def gather(
+        self, layer: int, block_row: torch.Tensor, length: int, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's cached tokens start..length-1 as contiguous (kv [L, C], pe [L, P]) in self.dtype;
+        blocks before `start`'s (freed by a sliding window) are not read."""
+        first_block = start // self.block_size
         n_blocks = -(-length // self.block_size)
-        latent = self.pool[self.slot_of_layer[layer], block_row[:n_blocks]].flatten(0, 1)[:length]
+        skip = first_block * self.block_size
+        blocks = block_row[first_block:n_blocks]
+        latent = self._read(self.slot_of_layer[layer], blocks, self.dtype).flatten(0, 1)
+        latent = latent[start - skip : length - skip]
         return latent[:, : self.kv_rank], latent[:, self.kv_rank :]
 
     def decode(
@@ -58,5 +142,44 @@ class PagedLatentCache:
         scale: float,
     ) -> torch.Tensor:
         """Absorbed-form attention of single query rows over their cached sequences: [R, H, C]."""
-        cache = self.pool[self.slot_of_layer[layer]]
-        return kernels.paged_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale)
+        i = self.slot_of_layer[layer]
+        # The table's width bounds every row's length on the host: when no row can reach past the window
+        # or hold more than K full blocks, attention is full and takes the exact unlimited path.
+        longest = block_tables.shape[1] * self.block_size
+        window, topk = self.sparse.window, self.sparse.topk_blocks
+        starts = None
+        if window is not None and longest - 1 > window:
+            starts = (seq_lens - 1 - window).clamp(min=0)
+        if topk is not None and block_tables.shape[1] - 1 > topk:
+            block_tables, seq_lens = self._select_blocks(i, q_latent, q_pe, block_tables, seq_lens, topk)
+        scales = self.scales[i] if self.scales is not None else None
+        cache = self.pool[i]
+        return kernels.paged_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, scales, starts)
+
+    def _select_blocks(
+        self,
+        i: int,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's K best full blocks (in position order) then its latest block, as a compacted block
+        table [R, K + 1] and the lengths it covers. Positions need not be contiguous: RoPE is already in
+        the cached k_pe, so attention over the kept tokens is the same wherever they sit."""
+        n_full = (seq_lens.long() - 1) // self.block_size  # the row's query sits in block n_full
+        candidates = block_tables[:, :-1].long()
+        means = self.block_means[i, candidates]  # [R, B, C + P]; past n_full: whatever, masked below
+        scores = torch.einsum("rhc,rbc->rhb", q_latent.float(), means[..., : self.kv_rank])
+        scores = scores + torch.einsum("rhp,rbp->rhb", q_pe.float(), means[..., self.kv_rank :])
+        column = torch.arange(candidates.shape[1], device=candidates.device)
+        scores = scores.amax(dim=1).masked_fill(column[None, :] >= n_full[:, None], float("-inf"))
+        # Real blocks outrank the -inf ones, so a row with at most K full blocks keeps them all, in front.
+        chosen = scores.topk(k, dim=1).indices.sort(dim=1).values
+        kept = n_full.clamp(max=k)
+        slot = torch.arange(k + 1, device=candidates.device)[None, :]
+        padded = torch.cat([chosen, chosen[:, :1]], dim=1)  # the last column always takes n_full
+        columns = torch.where(slot < kept[:, None], padded, n_full[:, None])
+        tables = block_tables.long().gather(1, columns)
+        return tables, seq_lens - (n_full - kept) * self.block_size

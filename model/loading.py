@@ -3,6 +3,8 @@
 The model is built on the meta device, then every parameter is read from the checkpoint under its
 HF name, shape-checked and placed: no random initialization, no second copy of the weights.
 Block-FP8 weights are dequantized once at load on the CPU, and kept as FP8 on a GPU (W8A8 GEMM).
+Integer-quantized projections (`model/quantization.py`) are read as they are stored, or quantized at
+load from a plain or block-FP8 checkpoint when `quantization=` asks for it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from moelaunch import kernels
 from moelaunch.model.checkpoint import CheckpointError, CheckpointReader
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.linear import Linear
+from moelaunch.model.quantization import IntQuant, is_quantizable, quantize_weight, resolve_quantization
 from moelaunch.model.rope import RotaryEmbedding
 from moelaunch.model.sharding import ShardSpec
 from moelaunch.model.transformer import Transformer, checkpoint_name
@@ -56,6 +59,7 @@ def load_model(
     fp8: Fp8Mode = "auto",
     with_mtp: bool = True,
     build: ModelBuilder | None = None,
+    quantization: str = "none",
 ) -> Transformer:
     """Load a DeepSeek-V2/V3 HF checkpoint directory as a ready-to-run Transformer in eval mode.
 
@@ -63,9 +67,12 @@ def load_model(
     converts them to `dtype` at load, "auto" keeps them on CUDA and dequantizes elsewhere.
     build: for a parallel rank, builds its shard of the model (layers it holds, slices it owns);
     then only those tensors and slices are read, and unread tensors are expected.
+    quantization: "none" runs the checkpoint's own format; "int8" | "w8a8" | "int4" quantize the
+    projections of a plain or block-FP8 checkpoint at load (see `model/quantization.py`).
     """
     device = torch.device(device)
     args = load_args(path)
+    quant = resolve_quantization(quantization, args.quantization, str(path))
     reader = CheckpointReader(path)
     keep_fp8 = fp8 == "keep" or (fp8 == "auto" and device.type == "cuda")
     mtp_in_checkpoint = has_mtp_weights(args, reader)
@@ -74,7 +81,7 @@ def load_model(
         log.info("%s: no MTP weights loaded; speculative decoding with MTP is off", path)
     with torch.device("meta"):
         model = (build or Transformer)(args, with_mtp)
-    used = _fill_from_checkpoint(model, reader, dtype, device, keep_fp8)
+    used = _fill_from_checkpoint(model, reader, dtype, device, keep_fp8, quant)
     if build is None:
         _check_all_used(args, reader, used, skip_mtp=mtp_in_checkpoint and not with_mtp)
     model.rope = RotaryEmbedding(args).to(device)
@@ -83,7 +90,12 @@ def load_model(
 
 
 def _fill_from_checkpoint(
-    model: Transformer, reader: CheckpointReader, dtype: torch.dtype, device: torch.device, keep_fp8: bool
+    model: Transformer,
+    reader: CheckpointReader,
+    dtype: torch.dtype,
+    device: torch.device,
+    keep_fp8: bool,
+    quant: IntQuant | None,
 ) -> set[str]:
     args = model.args
     used: set[str] = set()
@@ -96,6 +108,11 @@ def _fill_from_checkpoint(
             if name == "lm_head.weight" and name not in reader and args.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
             spec = getattr(module, "shard_spec", None) if attr == "weight" else None
+            if quant is not None and attr == "weight" and isinstance(module, Linear):
+                loaded = _load_int_linear(module, reader, name, tuple(current.shape), spec, quant, device)
+                if loaded is not None:
+                    used |= loaded
+                    continue
             _check_shape(reader, name, tuple(current.shape), spec)
             used.add(name)
             if reader.is_fp8(name):
@@ -147,20 +164,99 @@ def _read_fp8(
     return dense.narrow(spec.dim, spec.start - lo, spec.end - spec.start), None
 
 
+def _load_int_linear(
+    module: Linear,
+    reader: CheckpointReader,
+    name: str,
+    expected: tuple[int, ...],
+    spec: ShardSpec | None,
+    quant: IntQuant,
+    device: torch.device,
+) -> set[str] | None:
+    """Load projection weight `name` as integers: the checkpoint's quantized tensors, or its plain (or
+    block-FP8, dequantized) weight quantized now, per rank slice. Returns the tensor names read; None for a
+    weight that stays as it is (not a projection: lm_head)."""
+    base = name.removesuffix("weight")
+    if base + "weight_scale" in reader:
+        tensors, used = _read_int(reader, base, expected, spec, quant)
+    elif name in reader and is_quantizable(name, reader.shape(name)):
+        _check_shape(reader, name, expected, spec)
+        if reader.is_fp8(name):
+            dense, used = _read_fp8(reader, name, spec, False, torch.float32)[0], {name, name + SCALE_SUFFIX}
+        else:
+            dense, used = _read(reader, name, spec), {name}
+        tensors = quantize_weight(dense, quant)
+    else:
+        return None
+    module.set_quantized({key: t.to(device) for key, t in tensors.items()}, quant)
+    return used
+
+
+def _read_int(
+    reader: CheckpointReader, base: str, expected: tuple[int, ...], spec: ShardSpec | None, quant: IntQuant
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """One projection's stored integer tensors (keyed as `quantize_weight` keys them), sliced to `spec`:
+    scales follow the output rows; along the input dim an int8 scale is whole and int4 slices whole groups."""
+    row_spec = spec if spec is not None and spec.dim == 0 else None
+    if quant.method != "int4":
+        weight, scale = base + "weight", base + "weight_scale"
+        _check_shape(reader, weight, expected, spec)
+        _check_scale_shape(reader, scale, (reader.shape(weight)[0],), "one per output channel")
+        tensors = {"weight": _read(reader, weight, spec), "weight_scale": _read(reader, scale, row_spec)}
+        return tensors, {weight, scale}
+    packed, scale, zero = base + "weight_packed", base + "weight_scale", base + "weight_zero_point"
+    rows, half = reader.shape(packed)
+    k, group = 2 * half, quant.group_size
+    _check_shape(reader, packed, expected, spec, full=(rows, k))
+    for other in (scale, zero):
+        _check_scale_shape(reader, other, (rows, -(-k // group)), f"groups of {group} (quantization_config)")
+    byte_spec = group_spec = spec
+    if spec is not None and spec.dim == 1:
+        if spec.start % group or (spec.end % group and spec.end != k):
+            raise CheckpointError(
+                f"{packed}: shard [{spec.start}, {spec.end}) along dim 1 is not aligned to int4 groups of "
+                f"{group}; pick a parallel layout whose shards are multiples of {group}, or quantize on "
+                "load from the unquantized checkpoint (quantization='int4')"
+            )
+        byte_spec = ShardSpec(1, spec.start // 2, spec.end // 2)
+        group_spec = ShardSpec(1, spec.start // group, -(-spec.end // group))
+    tensors = {
+        "weight_packed": _read(reader, packed, byte_spec),
+        "weight_scale": _read(reader, scale, group_spec),
+        "weight_zero_point": _read(reader, zero, group_spec),
+    }
+    return tensors, {packed, scale, zero}
+
+
+def _check_scale_shape(reader: CheckpointReader, name: str, expected: tuple[int, ...], why: str) -> None:
+    if reader.shape(name) != expected:
+        raise CheckpointError(
+            f"{reader.file_of(name)}: {name} has shape {list(reader.shape(name))}, "
+            f"not {list(expected)} for {why}"
+        )
+
+
 def _check_shape(
-    reader: CheckpointReader, name: str, expected: tuple[int, ...], spec: ShardSpec | None
+    reader: CheckpointReader,
+    name: str,
+    expected: tuple[int, ...],
+    spec: ShardSpec | None,
+    full: tuple[int, ...] | None = None,
 ) -> None:
+    """`name` holds `expected` (this rank's slice of it under `spec`); `full`: its logical shape when the
+    stored one differs (int4: two columns per byte)."""
     if name not in reader:
         raise CheckpointError(
             f"{reader.path}: tensor {name} is missing, but config.json describes a model that needs it "
             "(check num_hidden_layers, first_k_dense_replace, n_routed_experts, q_lora_rank)"
         )
-    shape = list(reader.shape(name))
+    stored = list(full or reader.shape(name))
+    shape = list(stored)
     if spec is not None and spec.end <= shape[spec.dim]:
         shape[spec.dim] = spec.end - spec.start
     if tuple(shape) != expected:
         raise CheckpointError(
-            f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))} but config.json "
+            f"{reader.file_of(name)}: tensor {name} has shape {stored} but config.json "
             f"implies {list(expected)}{f' for {spec}' if spec else ''}; the config does not match the tensors"
         )
 

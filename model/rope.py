@@ -20,8 +20,10 @@ def _correction_dim(rotations: float, dim: int, base: float, max_pos: int) -> fl
 
 
 def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
+    """On the CPU whatever the default device (the module's .to() moves them): a model built on the meta
+    device would otherwise run these through torch's meta refs, which import torch._dynamo and sympy."""
     dim, base = args.qk_rope_head_dim, args.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     rs = args.rope_scaling
     if not rs.enabled:
         return freqs
@@ -31,7 +33,7 @@ def inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     )
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     return freqs / rs.factor * ramp + freqs * (1 - ramp)
 
 

@@ -107,6 +107,7 @@ def load_shard(
     fp8: str = "auto",
     with_mtp: bool = False,
     placement: ExpertPlacement | None = None,
+    quantization: str = "none",
 ) -> Transformer:
     """Load only this rank's part of a checkpoint onto the mesh's device."""
     return load_model(
@@ -116,4 +117,5 @@ def load_shard(
         fp8,
         with_mtp,
         build=lambda args, mtp: build_shard(args, mtp, mesh, placement),
+        quantization=quantization,
     )

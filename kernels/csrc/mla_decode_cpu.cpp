@@ -3,7 +3,7 @@
 // Same contract and numerics as kernels/mla_decode_reference.py, without its padded gather: every
 // (row, group of heads) walks its own block table and reads each cached token straight from the pool,
 // one block at a time, with an online softmax (running max and sum per head, fp32). Slots past a row's
-// length are never read, so they may hold anything.
+// length, or before its start (a sliding window gives one), are never read, so they may hold anything.
 //
 // Within a block both products are register-tiled so that each load feeds several FMAs: scores take
 // 4 heads x 3 tokens per pass over the 576-wide rows (7 loads per 12 FMAs), and the weighted sum takes
@@ -131,10 +131,12 @@ class Scratch {
 
 template <typename cache_t, typename index_t>
 void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache, const index_t* block_table,
-                 const int64_t* seq_lens, float* out, int64_t rows, int64_t heads, int64_t c_dim, int64_t p_dim,
-                 int64_t block_size, int64_t max_blocks, float scale) {
+                 const int64_t* seq_lens, const int64_t* starts, float* out, int64_t rows, int64_t heads,
+                 int64_t c_dim, int64_t p_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t width = c_dim + p_dim;
   const int64_t head_groups = (heads + kHeadsPerTask - 1) / kHeadsPerTask;
+  // Where row r's walk begins: the block holding its first token (0 without starts).
+  auto first_block_start = [&](int64_t r) { return starts ? starts[r] - starts[r] % block_size : int64_t{0}; };
   at::parallel_for(0, rows * head_groups, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t padded = kHeadsPerTask;  // a multiple of kHeadTile
     Scratch q(padded * width), acc(padded * c_dim), probs(padded * block_size);
@@ -154,10 +156,12 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
       acc.zero();
       std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(running_sum.begin(), running_sum.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
-        const cache_t* block = cache + static_cast<int64_t>(block_table[r * max_blocks + start / block_size]) *
-                                           block_size * width;
+      for (int64_t start = first_block_start(r); start < len; start += block_size) {
+        // The first block may begin before the row's first token: its walk skips `skip` slots.
+        const int64_t skip = starts ? std::max<int64_t>(starts[r] - start, 0) : 0;
+        const int64_t n = std::min(block_size, len - start) - skip;
+        const int64_t block_id = static_cast<int64_t>(block_table[r * max_blocks + start / block_size]);
+        const cache_t* block = cache + (block_id * block_size + skip) * width;
         // What this task reads next (its row's next block, or the next task's first block) sits
         // elsewhere in the pool, where the hardware prefetcher cannot guess it.
         SpreadPrefetcher fetch;
@@ -165,7 +169,7 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
         const bool same_row = next < len;
         const int64_t next_row = same_row ? r : (task + 1 < end ? (task + 1) / head_groups : -1);
         if (next_row >= 0) {
-          const int64_t from = same_row ? next : 0;
+          const int64_t from = same_row ? next : first_block_start(next_row);
           const int64_t next_n = std::min(block_size, seq_lens[next_row] - from);
           const cache_t* next_block =
               cache + static_cast<int64_t>(block_table[next_row * max_blocks + from / block_size]) * block_size * width;
@@ -231,12 +235,14 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
 
 template <typename cache_t>
 void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, const torch::Tensor& cache,
-                    const torch::Tensor& block_table, const torch::Tensor& seq_lens, torch::Tensor& out, float scale) {
+                    const torch::Tensor& block_table, const torch::Tensor& seq_lens, const int64_t* starts,
+                    torch::Tensor& out, float scale) {
   const int64_t rows = q_latent.size(0), heads = q_latent.size(1), c_dim = q_latent.size(2);
   const auto* cache_ptr = reinterpret_cast<const cache_t*>(cache.data_ptr());
   auto run = [&](const auto* table) {
     decode_rows(q_latent.data_ptr<float>(), q_pe.data_ptr<float>(), cache_ptr, table, seq_lens.data_ptr<int64_t>(),
-                out.data_ptr<float>(), rows, heads, c_dim, q_pe.size(2), cache.size(1), block_table.size(1), scale);
+                starts, out.data_ptr<float>(), rows, heads, c_dim, q_pe.size(2), cache.size(1), block_table.size(1),
+                scale);
   };
   if (block_table.scalar_type() == torch::kInt32) {
     run(block_table.data_ptr<int32_t>());
@@ -248,21 +254,26 @@ void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, co
 }  // namespace
 
 // q_latent [R, H, C] and q_pe [R, H, P] fp32; cache [num_blocks, block_size, C + P] fp32 or bf16;
-// block_table [R, max_blocks] int32/int64; seq_lens [R] int64 (>= 1). Returns [R, H, C] fp32.
+// block_table [R, max_blocks] int32/int64; seq_lens [R] int64 (>= 1); starts [R] int64 (< seq_lens), the
+// first position each row attends to (default 0). Returns [R, H, C] fp32.
 torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
-                                   torch::Tensor block_table, torch::Tensor seq_lens, double scale) {
+                                   torch::Tensor block_table, torch::Tensor seq_lens, double scale,
+                                   c10::optional<torch::Tensor> starts) {
   TORCH_CHECK(q_latent.scalar_type() == torch::kFloat32 && q_pe.scalar_type() == torch::kFloat32,
               "queries must be fp32");
   TORCH_CHECK(q_latent.is_contiguous() && q_pe.is_contiguous() && cache.is_contiguous() &&
                   block_table.is_contiguous() && seq_lens.is_contiguous(),
               "inputs must be contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64, "seq_lens must be int64");
+  TORCH_CHECK(!starts || (starts->scalar_type() == torch::kInt64 && starts->is_contiguous()),
+              "starts must be contiguous int64");
+  const int64_t* first = starts ? starts->data_ptr<int64_t>() : nullptr;
   auto out = torch::empty_like(q_latent);
   const float s = static_cast<float>(scale);
   if (cache.scalar_type() == torch::kFloat32) {
-    dispatch_index<float>(q_latent, q_pe, cache, block_table, seq_lens, out, s);
+    dispatch_index<float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s);
   } else if (cache.scalar_type() == torch::kBFloat16) {
-    dispatch_index<c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, out, s);
+    dispatch_index<c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s);
   } else {
     TORCH_CHECK(false, "cache dtype must be fp32 or bf16, got ", cache.scalar_type());
   }

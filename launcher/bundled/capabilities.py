@@ -17,10 +17,13 @@ LINE = (
 )
 
 
-def capabilities_line(model_path: str | Path) -> str | None:
+def is_task_family(model_path: str | Path) -> bool:
     config = Path(model_path) / "config.json"
     try:
-        marked = json.loads(config.read_text()).get(MARKER, False)
+        return bool(json.loads(config.read_text()).get(MARKER, False))
     except (OSError, ValueError):
-        return None
-    return LINE if marked else None
+        return False
+
+
+def capabilities_line(model_path: str | Path) -> str | None:
+    return LINE if is_task_family(model_path) else None

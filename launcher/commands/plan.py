@@ -20,6 +20,7 @@ from moelaunch.launcher.deploy.plan import (
     size_text,
 )
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, param_bytes, scale_blocks, tensor_bytes
+from moelaunch.model.quantization import is_quantizable
 from moelaunch.parallel.mesh import LayoutError
 from moelaunch.parallel.shard_tensors import ShardTensor
 
@@ -164,10 +165,10 @@ def _memory_by_hand(plan: LaunchPlan) -> str:
     lines = [f"Memory of rank {r.rank} (the heaviest), by hand"]
     width = max(len(t.name) for part in r.weight_parts for t in part.tensors)
     for part in r.weight_parts:
-        unit = part.unit_bytes(plan.dtype, plan.block)
+        unit = part.unit_bytes(plan.dtype, plan.block, plan.quant)
         lines.append(
             f"  {part.name}: {part.count_note} = {part.count} x {unit:,} B = "
-            f"{part.nbytes(plan.dtype, plan.block):,} B"
+            f"{part.nbytes(plan.dtype, plan.block, plan.quant):,} B"
         )
         lines += [f"      {_tensor_line(t, plan, width)}" for t in part.tensors]
     a, e, v = plan.args, plan.config.engine, plan.value_bytes
@@ -192,6 +193,17 @@ def _tensor_line(t: ShardTensor, plan: LaunchPlan, width: int) -> str:
     dims = " x ".join(
         f"{n}/{t.tp}" if i == t.split_dim and t.tp > 1 else str(n) for i, n in enumerate(t.full_shape)
     )
+    q = plan.quant
+    if q is not None and is_quantizable(t.name, t.shape):
+        rows, cols = t.shape
+        if q.method == "int4":
+            groups = math.ceil(cols / q.group_size)
+            text = (
+                f"{t.name:<{width}} [{dims}] = {rows * cols:,} x 0.5 B (int4) + {rows} x {groups} x (4 + 1) B"
+            )
+        else:
+            text = f"{t.name:<{width}} [{dims}] = {rows * cols:,} x 1 B ({q.method}) + {rows} scales x 4 B"
+        return f"{text} = {tensor_bytes(t, plan.dtype, plan.block, q):,} B"
     text = f"{t.name:<{width}} [{dims}] = {math.prod(t.shape):,} x {param_bytes(t, plan.dtype)} B"
     if is_fp8(t, plan.dtype):
         rows, cols = scale_blocks(t, plan.block)
@@ -205,6 +217,7 @@ def plan_json(plan: LaunchPlan) -> dict[str, Any]:
         "config": cfg.source,
         "model": cfg.model,
         "dtype": plan.dtype,
+        "quantization": plan.quant.method if plan.quant else "none",
         "device": plan.device,
         "nodes": cfg.cluster.nodes,
         "devices_per_node": cfg.cluster.devices_per_node,
@@ -225,7 +238,11 @@ def plan_json(plan: LaunchPlan) -> dict[str, Any]:
 
 def _rank_json(r: RankPlan, plan: LaunchPlan) -> dict[str, Any]:
     def part_json(part: WeightPart) -> dict[str, Any]:
-        return {"name": part.name, "count": part.count, "bytes": part.nbytes(plan.dtype, plan.block)}
+        return {
+            "name": part.name,
+            "count": part.count,
+            "bytes": part.nbytes(plan.dtype, plan.block, plan.quant),
+        }
 
     return {
         "rank": r.rank,

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from moelaunch.launcher.engine.config import EngineConfig
+from moelaunch.model.quantization import Quantization
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 
@@ -168,6 +169,8 @@ JOB_MODES: dict[str, type[BaseModel]] = {
 class DeployConfig(_Strict):
     model: str = Field(min_length=1, description="a Hugging Face checkpoint directory or its config.json")
     dtype: Literal["auto", "bfloat16", "float32", "fp8"] = "auto"
+    # Projections quantized at load (model/quantization.py); "none" runs the checkpoint as it is.
+    quantization: Quantization = "none"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     # The plan sizes the KV cache for max_num_seqs sequences of max_model_len tokens per DP replica (the
     # worst case: all of them at full length) and activations for one max_num_batched_tokens step, so a

@@ -8,12 +8,14 @@ Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
   MLPs, shared experts and vocab (embedding on the first stage, lm_head on the last); its EP share of
   routed experts; and in full what every TP rank replicates (q_a and kv_a projections, norms, the router
   gate). Bytes per parameter: float32 4, bfloat16 2; fp8 stores projections in 1 byte plus one fp32 scale
-  per 128x128 block and keeps embedding, lm_head, norms and gate in bf16. The router bias is fp32
+  per 128x128 block and keeps embedding, lm_head, norms and gate in bf16. `quantization` (or an int8/int4
+  checkpoint) stores projections as int8 (1 B/param + one fp32 scale per output row) or int4 (0.5 B/param +
+  one fp32 scale and a 1-byte zero point per 128-column group). The router bias is fp32
   always. The MTP layer is not counted (it is loaded only for speculative decoding).
 - KV cache: MLA caches (kv_lora_rank + qk_rope_head_dim) values per token per layer; every TP rank of a
   replica holds its replica's whole latent cache (the latent is shared by all heads), sized for
   engine.max_num_seqs sequences of engine.max_model_len tokens over the stage's layers. 2 bytes per value
-  (4 under float32).
+  (4 under float32); with engine.kv_cache_dtype fp8, 1 byte per value plus two fp32 scales per token.
 - activations: engine.max_num_batched_tokens x hidden_size x 2 bytes (4 under float32) x ACTIVATION_BUFFERS.
 """
 
@@ -29,6 +31,8 @@ import torch
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model.config import ModelArgs, load_args
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.quantization import IntQuant, is_quantizable, resolve_quantization
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
 from moelaunch.parallel.parallelize import check_layout
@@ -75,6 +79,7 @@ class LaunchPlan:
     device_bytes: int
     stages: list[list[int]]
     ranks: list[RankPlan]
+    quant: IntQuant | None = None  # resolved: projections stored as int8 / int4, or None
 
     @property
     def usable_bytes(self) -> int:
@@ -147,6 +152,7 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
         ) from None
     device = _resolve_device(cfg)
     dtype = _resolve_dtype(cfg, args, device)
+    quant = _resolve_quantization(cfg, args)
     block = args.fp8_block_size or (128, 128)
     max_model_len = cfg.engine.max_model_len or min(args.max_position_embeddings, 8192)  # the engine's rule
     if max_model_len > args.max_position_embeddings:
@@ -159,13 +165,17 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     stages = assign_stages(args, mesh.pp)
     shards: dict[tuple[int, int], tuple[WeightPart, ...]] = {}
     ranks = [
-        _rank_plan(cfg, args, mesh, stages, placement, shards, dtype, block, max_model_len, r)
+        _rank_plan(cfg, args, mesh, stages, placement, shards, dtype, block, max_model_len, quant, r)
         for r in range(mesh.world)
     ]
     if dtype == "fp8":
         _check_fp8_blocks(cfg, shards.values(), block)
     device_bytes = _device_bytes(cfg, device)
-    return LaunchPlan(cfg, args, mesh, dtype, device, block, max_model_len, device_bytes, stages, ranks)
+    if quant is not None and quant.method == "int4" and args.quantization:
+        _check_int4_groups(cfg, shards.values(), quant)
+    return LaunchPlan(
+        cfg, args, mesh, dtype, device, block, max_model_len, device_bytes, stages, ranks, quant
+    )
 
 
 def _check_devices(cfg: DeployConfig, mesh: MeshShape) -> None:
@@ -211,6 +221,30 @@ def _resolve_dtype(cfg: DeployConfig, args: ModelArgs, device: str) -> str:
     return cfg.dtype
 
 
+def _resolve_quantization(cfg: DeployConfig, args: ModelArgs) -> IntQuant | None:
+    try:
+        return resolve_quantization(cfg.quantization, args.quantization, cfg.model)
+    except ValueError as e:
+        raise cfg.error("quantization", cfg.quantization, f"a method this checkpoint allows ({e})") from None
+
+
+def _check_int4_groups(cfg: DeployConfig, shards: Iterable[tuple[WeightPart, ...]], quant: IntQuant) -> None:
+    """An int4 checkpoint's groups run along the input dim: a TP slice there must keep whole groups (the
+    loader refuses it otherwise); quantizing at load has no such limit."""
+    for t in (t for parts in shards for part in parts for t in part.tensors):
+        if (
+            t.split_dim == 1
+            and t.tp > 1
+            and is_quantizable(t.name, t.shape)
+            and t.shape[1] % quant.group_size
+        ):
+            raise LayoutError(
+                f"{cfg.source}: int4 checkpoint with parallel.tp={t.tp}: {t.name}'s slice {t.full_shape[1]}/"
+                f"{t.tp} = {t.shape[1]} is not a multiple of the int4 group size {quant.group_size}: choose "
+                "a tp that keeps slices group-aligned, or quantize at load from the unquantized checkpoint"
+            )
+
+
 def _placement(cfg: DeployConfig, args: ModelArgs, ep: int) -> ExpertPlacement | None:
     owners = cfg.parallel.expert_placement
     if not args.n_routed_experts:
@@ -250,6 +284,7 @@ def _rank_plan(
     dtype: str,
     block: tuple[int, int],
     max_model_len: int,
+    quant: IntQuant | None,
     rank: int,
 ) -> RankPlan:
     """`shards` caches weight parts by (stage, experts held): ranks alike in both hold the same shapes,
@@ -263,7 +298,9 @@ def _rank_plan(
         shards[key] = weight_parts(shard_tensors(args, mesh, rank, placement))
     parts = shards[key]
     v, e = value_bytes(dtype), cfg.engine
-    kv = (args.kv_lora_rank + args.qk_rope_head_dim) * v * len(layers) * max_model_len * e.max_num_seqs
+    kv_dtype = torch.float32 if v == 4 else torch.bfloat16
+    per_token = PagedLatentCache.bytes_per_token(args, len(layers), kv_dtype, e.kv_cache_dtype == "fp8")
+    kv = per_token * max_model_len * e.max_num_seqs
     activations = e.max_num_batched_tokens * args.hidden_size * v * ACTIVATION_BUFFERS
     devices = cfg.cluster.devices_per_node
     return RankPlan(
@@ -277,7 +314,7 @@ def _rank_plan(
         layers=tuple(layers),
         experts=tuple(experts),
         weight_parts=parts,
-        weight_bytes=sum(part.nbytes(dtype, block) for part in parts),
+        weight_bytes=sum(part.nbytes(dtype, block, quant) for part in parts),
         kv_cache_bytes=kv,
         activation_bytes=activations,
     )

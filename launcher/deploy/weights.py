@@ -1,6 +1,6 @@
 """A rank's weights as the plan counts them: the tensors its shard holds (parallel.shard_tensors), their
-bytes under the deployment's dtype, and the tensors grouped into parts a reader can multiply out by hand:
-`count` copies (layers, or layers x experts) of one copy's tensors."""
+bytes under the deployment's dtype and quantization, and the tensors grouped into parts a reader can
+multiply out by hand: `count` copies (layers, or layers x experts) of one copy's tensors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from moelaunch.model.convert import is_quantizable
+from moelaunch.model.quantization import IntQuant, is_quantizable
 from moelaunch.parallel.shard_tensors import ShardTensor
 
 # Parts in print order: name, pattern over a tensor name with its layer and expert ids as `*`, and how
@@ -46,8 +46,19 @@ def scale_blocks(t: ShardTensor, block: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(rows / block[0]), math.ceil(cols / block[1])
 
 
-def tensor_bytes(t: ShardTensor, dtype: str, block: tuple[int, int]) -> int:
-    """Its values plus, under fp8, one fp32 scale per block."""
+def int_quant_bytes(t: ShardTensor, quant: IntQuant) -> int:
+    """A projection under int8 / w8a8: 1 B per value + one fp32 scale per output row; int4: 1 B per two
+    values + per row and group one fp32 scale and a 1-byte zero point (model/linear.py's layouts)."""
+    rows, cols = t.shape
+    if quant.method == "int4":
+        return rows * (cols // 2) + rows * math.ceil(cols / quant.group_size) * (4 + 1)
+    return rows * cols + rows * 4
+
+
+def tensor_bytes(t: ShardTensor, dtype: str, block: tuple[int, int], quant: IntQuant | None = None) -> int:
+    """Its values plus, under fp8, one fp32 scale per block; a projection under `quant`: int_quant_bytes."""
+    if quant is not None and is_quantizable(t.name, t.shape):
+        return int_quant_bytes(t, quant)
     size = math.prod(t.shape) * param_bytes(t, dtype)
     if is_fp8(t, dtype):
         size += math.prod(scale_blocks(t, block)) * 4
@@ -63,11 +74,11 @@ class WeightPart:
     count_note: str
     tensors: tuple[ShardTensor, ...]  # one copy's, named without their layer prefix
 
-    def unit_bytes(self, dtype: str, block: tuple[int, int]) -> int:
-        return sum(tensor_bytes(t, dtype, block) for t in self.tensors)
+    def unit_bytes(self, dtype: str, block: tuple[int, int], quant: IntQuant | None = None) -> int:
+        return sum(tensor_bytes(t, dtype, block, quant) for t in self.tensors)
 
-    def nbytes(self, dtype: str, block: tuple[int, int]) -> int:
-        return self.count * self.unit_bytes(dtype, block)
+    def nbytes(self, dtype: str, block: tuple[int, int], quant: IntQuant | None = None) -> int:
+        return self.count * self.unit_bytes(dtype, block, quant)
 
 
 def weight_parts(tensors: Iterable[ShardTensor]) -> tuple[WeightPart, ...]:

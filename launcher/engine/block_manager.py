@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+# A sequence's block-table entry for a block it no longer holds (sliding window); never read.
+FREED = -1
+
 
 @dataclass
 class Block:
@@ -89,7 +92,11 @@ class BlockManager:
         return h
 
     def release(self, block_ids: list[int]) -> None:
+        """Give blocks back; ids < 0 (FREED: left behind by a sliding window, already given back) are
+        skipped."""
         for block_id in reversed(block_ids):  # a sequence's tail is the least likely to be shared again
+            if block_id < 0:
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:

@@ -1,4 +1,5 @@
-"""Engine settings: cache geometry and budget, batching limits, speculative decoding.
+"""Engine settings: cache geometry, dtype and budget, attention approximations, batching limits,
+speculative decoding.
 
 One type for every way of setting them: the `engine:` section of a deployment file is validated as this
 model, `LLM(...)` keyword options build it, and the engine (and its scheduler) read it as it is.
@@ -8,7 +9,38 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from moelaunch.model.kv_cache import SparseAttention
+
+
+class AttentionConfig(BaseModel):
+    """Approximate attention for long contexts (both off by default, at most one on): cheaper, but the
+    outputs differ from the model's full attention once a sequence outgrows the limit."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    window: int | None = Field(
+        None,
+        ge=1,
+        description="APPROXIMATION: sliding window; each token attends to the last `window` tokens and "
+        "itself only (prefill and decode), and KV blocks every later token has left behind are freed",
+    )
+    topk_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="APPROXIMATION: sparse decode; each new token attends to the K cached blocks whose "
+        "mean latent scores highest against it, plus its latest block (prefill attends in full)",
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> AttentionConfig:
+        self.sparse()  # SparseAttention refuses window together with topk_blocks
+        return self
+
+    def sparse(self) -> SparseAttention:
+        """These settings as the model's cache takes them."""
+        return SparseAttention(self.window, self.topk_blocks)
 
 
 class EngineConfig(BaseModel):
@@ -29,6 +61,12 @@ class EngineConfig(BaseModel):
         description="bytes per rank for the latent cache; default: a kv_cache_fraction of free memory",
     )
     kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the cache")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="auto: the model's compute dtype; fp8: e4m3 values with two fp32 scales per token "
+        "and layer, about half the bytes of bf16, so about twice the tokens in the same memory",
+    )
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
     enable_prefix_caching: bool = True
     micro_batches: int | None = Field(
         None, ge=1, description="pipeline micro-batches per step; default the number of stages"

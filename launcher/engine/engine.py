@@ -98,6 +98,7 @@ class LLMEngine:
         dtype: torch.dtype = torch.float32,
         fp8: str = "auto",
         placement: ExpertPlacement | None = None,
+        quantization: str = "none",
     ) -> None:
         self.config = config or EngineConfig()
         self.mesh = mesh
@@ -105,7 +106,9 @@ class LLMEngine:
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
-        self.model = load_shard(model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement)
+        self.model = load_shard(
+            model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement, quantization=quantization
+        )
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
             raise ValueError(
@@ -133,15 +136,17 @@ class LLMEngine:
     # ---- cache sizing: every rank must end up with the same number of blocks ----
     def _allocate_cache(self) -> PagedLatentCache:
         cfg, model = self.config, self.model
-        per_block = cfg.block_size * PagedLatentCache.bytes_per_token(
-            model.args, len(model.layer_ids()), model.compute_dtype()
+        fp8 = cfg.kv_cache_dtype == "fp8"
+        sparse = cfg.attention.sparse()
+        per_block = PagedLatentCache.bytes_per_block(
+            model.args, len(model.layer_ids()), cfg.block_size, model.compute_dtype(), fp8, sparse
         )
         budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
         # More blocks than every sequence at full length could use are never touched.
         most = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         n = torch.tensor([min(num_blocks_for(budget, per_block), most)])
         n = int(self.mesh.world.all_reduce_min(n).item())
-        return model.new_paged_cache(n, cfg.block_size)
+        return model.new_paged_cache(n, cfg.block_size, fp8=fp8, sparse=sparse)
 
     # ---- front end (rank 0) ----
     def add_request(

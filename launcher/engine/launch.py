@@ -16,6 +16,7 @@ from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.engine import LLMEngine
 from moelaunch.model.config import load_args
 from moelaunch.model.loading import Fp8Mode
+from moelaunch.model.quantization import check_quantization
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import check_layout
@@ -37,6 +38,7 @@ class EngineSpec:
     engine: EngineConfig = field(default_factory=EngineConfig)
     expert_placement: list[list[int]] | None = None  # expert -> EP ranks holding it (copies allowed)
     timeout_s: float = 300.0  # longest wait on a peer: rendezvous and every collective
+    quantization: str = "none"  # none | int8 | w8a8 | int4 (projections quantized at load)
 
     def __post_init__(self) -> None:
         for name in ("tp", "dp", "pp"):
@@ -47,6 +49,7 @@ class EngineSpec:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if self.fp8 not in FP8_MODES:
             raise ValueError(f"fp8={self.fp8!r} must be one of {', '.join(FP8_MODES)}")
+        check_quantization(self.quantization)
         if type(self.timeout_s) not in (int, float) or not 0 < self.timeout_s < math.inf:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0")
 
@@ -92,7 +95,7 @@ def build_engine(spec: EngineSpec, rank_env: RankEnv | None = None) -> LLMEngine
     if spec.expert_placement is not None:
         owners = spec.expert_placement
         placement = ExpertPlacement.from_map(owners, len(owners), mesh.shape.ep)
-    return LLMEngine(spec.model, mesh, spec.engine, dtype, spec.fp8, placement)
+    return LLMEngine(spec.model, mesh, spec.engine, dtype, spec.fp8, placement, spec.quantization)
 
 
 def build_engine_from_json(spec_json: str) -> LLMEngine:

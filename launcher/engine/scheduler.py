@@ -4,13 +4,14 @@ Every step: running sequences first (decodes cost one token each; an unfinished 
 oldest first; then waiting ones in arrival order while the token budget and free blocks last. A new
 sequence reuses cached blocks of a shared prompt prefix. When blocks run out mid-step the youngest
 running sequence is preempted: its blocks are released and it is recomputed later from its tokens.
+With a sliding window, blocks that fall wholly behind it are released as the sequence advances.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moelaunch.launcher.engine.block_manager import BlockManager
+from moelaunch.launcher.engine.block_manager import FREED, BlockManager
 from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.sequence import SeqStatus, Sequence
 
@@ -131,6 +132,21 @@ class Scheduler:
             prev = seq.block_hashes[-1] if seq.block_hashes else None
             tokens = tuple(seq.tokens[b * size : (b + 1) * size])
             seq.block_hashes.append(self.blocks.seal(seq.block_ids[b], prev, tokens))
+        self._drop_out_of_window(seq)
+
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """With a sliding window, give back the blocks before the first position the sequence's next
+        query can see: no later query reads them. They were sealed first, so a prompt with the same
+        prefix can still hit them until they are reused (a block's latents depend only on the tokens up
+        to it, so reference counts are all the sharing needs)."""
+        window = self.config.attention.window
+        if window is None:
+            return
+        dead = max(0, seq.num_computed - window) // self.blocks.block_size
+        for b in range(dead):
+            if seq.block_ids[b] != FREED:
+                self.blocks.release([seq.block_ids[b]])
+                seq.block_ids[b] = FREED
 
     def finish(self, seq: Sequence) -> None:
         seq.status = SeqStatus.FINISHED

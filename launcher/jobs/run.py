@@ -40,7 +40,9 @@ def engine_spec(cfg: DeployConfig) -> EngineSpec:
     dtype, fp8 = ("auto", "keep") if cfg.dtype == "fp8" else (cfg.dtype, "auto")
     p = cfg.parallel
     timeout_s = cfg.cluster.timeouts.collective_s
-    return EngineSpec(str(model), p.tp, p.dp, p.pp, dtype, fp8, cfg.engine, p.expert_placement, timeout_s)
+    return EngineSpec(
+        str(model), p.tp, p.dp, p.pp, dtype, fp8, cfg.engine, p.expert_placement, timeout_s, cfg.quantization
+    )
 
 
 def open_local(cfg: DeployConfig, spec: EngineSpec) -> LLM:

@@ -1,0 +1,55 @@
+"""What a distillation step trains on: a batch that depends only on (seed, step), so a resumed run
+sees exactly the batches an uninterrupted one would.
+
+From the bundled task generator, each problem comes with its answer and only the answer's tokens are
+scored (what the model is asked to produce); from a prompt file, every token is scored.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelaunch.launcher.bundled.tasks import training_stream
+from moelaunch.launcher.bundled.train_small.data import make_batch
+from moelaunch.launcher.compress.calibration import encode_conversation, read_conversations
+from moelaunch.model.tokenizer import Tokenizer
+
+
+@dataclass
+class DistillBatch:
+    ids: torch.Tensor  # [B, T], right-padded
+    valid: torch.Tensor  # [B, T] bool: real tokens
+    scored: torch.Tensor  # [B, T] bool: tokens whose prediction is distilled
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return seed * 1_000_003 + step
+
+
+class DistillData:
+    def __init__(self, model_dir: str | Path, prompts: str | Path | None, batch: int, seed: int) -> None:
+        self.tok = Tokenizer.from_dir(model_dir)
+        self.batch, self.seed = batch, seed
+        self.sequences = (
+            None
+            if prompts is None
+            else [encode_conversation(self.tok, c) for c in read_conversations(prompts)]
+        )
+
+    def batch_at(self, step: int) -> DistillBatch:
+        if self.sequences is None:
+            problems = list(itertools.islice(training_stream(_step_seed(self.seed, step)), self.batch))
+            b = make_batch(self.tok, problems)
+            return DistillBatch(b.ids, b.valid, b.answer)
+        gen = torch.Generator().manual_seed(_step_seed(self.seed, step))
+        picked = [self.sequences[i] for i in torch.randint(len(self.sequences), (self.batch,), generator=gen)]
+        width = max(map(len, picked))
+        ids = torch.zeros(len(picked), width, dtype=torch.long)  # padding is masked out; any id serves
+        for row, seq in enumerate(picked):
+            ids[row, : len(seq)] = torch.tensor(seq)
+        valid = torch.arange(width)[None, :] < torch.tensor([len(s) for s in picked])[:, None]
+        return DistillBatch(ids, valid, valid)
