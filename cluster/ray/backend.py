@@ -145,6 +145,8 @@ class RayGroup:
             except RayTaskError as e:
                 if isinstance(e.cause, ValueError):
                     raise e.cause from None
+            except RayActorError:
+                pass  # rank 0 itself died (its node went down): blamed below like any other rank
         self._fail_blaming(watched)
 
     def _fail_blaming(self, watched: dict[Any, int]) -> None:
