@@ -9,15 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.tasks import Problem, is_correct
 from moelaunch.launcher.engine.sampling_params import SamplingParams
-from moelaunch.model.checkpoint import CheckpointReader
-from moelaunch.model.config import load_args
-from moelaunch.model.loading import has_mtp_weights
 
 # The longest answer (four sorted 2-digit numbers) is 11 tokens plus eos; the rest is headroom.
 MAX_ANSWER_TOKENS = 32
@@ -31,11 +26,6 @@ class Score:
     @property
     def accuracy(self) -> float:
         return sum(self.right.values()) / max(sum(self.total.values()), 1)
-
-
-def scoring_options(model: str | Path) -> dict[str, Any]:
-    """The engine options a checkpoint is scored with: MTP speculative decoding when it has the layer."""
-    return {"speculative": "mtp"} if has_mtp_weights(load_args(model), CheckpointReader(model)) else {}
 
 
 def score_through_engine(llm: LLM, problems: Sequence[Problem]) -> Score:

@@ -11,9 +11,12 @@ import argparse
 
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.expert_load import ExpertLoad
-from moelaunch.launcher.bundled.scoring import score_through_engine, scoring_options
+from moelaunch.launcher.bundled.scoring import score_through_engine
 from moelaunch.launcher.bundled.task_model import DEFAULT_CHECKPOINT
 from moelaunch.launcher.bundled.tasks import HELD_OUT_SIZE, held_out_sample
+from moelaunch.model.checkpoint import CheckpointReader
+from moelaunch.model.config import load_args
+from moelaunch.model.loading import has_mtp_weights
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     problems = held_out_sample(args.n)
-    with LLM(args.model, **scoring_options(args.model)) as llm:
+    # MTP on when the checkpoint has the layer, to report its acceptance (greedy answers are the same).
+    with_mtp = has_mtp_weights(load_args(args.model), CheckpointReader(args.model))
+    with LLM(args.model, speculative="mtp" if with_mtp else None) as llm:
         # The main layers' gates and the MTP layer's, counted while the engine answers.
         with ExpertLoad(llm.engine.model) as load:
             score = score_through_engine(llm, problems)

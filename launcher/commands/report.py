@@ -19,7 +19,9 @@ from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.report.measure import ENTRY_PREFIX, Entry, MeasureSpec, Workload
 from moelaunch.launcher.report.methods import DISTILLED, METHODS, Method
 from moelaunch.launcher.report.render import chart, markdown, text_table, write_json
+from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.config import load_args
+from moelaunch.model.loading import has_mtp_weights
 
 METHOD_TIMEOUT_S = 1800.0
 
@@ -105,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
     probes = args.out / "baseline_probes.json"
     entries: list[Entry] = []
     failures: dict[str, str] = {}
+    has_mtp = has_mtp_weights(load_args(args.model), CheckpointReader(args.model))
     for method in methods:
+        if method.options.get("speculative") == "mtp" and not has_mtp:
+            print(f"report: {method.name} skipped: {args.model} has no MTP layer", file=sys.stderr)
+            continue
         started = time.monotonic()
         try:
             model = str(args.student) if method is DISTILLED else args.model

@@ -14,8 +14,9 @@ from moelaunch import kernels
 from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.launcher.engine.config import EngineConfig
 from moelaunch.launcher.engine.engine import LLMEngine
+from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.config import load_args
-from moelaunch.model.loading import Fp8Mode
+from moelaunch.model.loading import Fp8Mode, has_mtp_weights
 from moelaunch.model.quantization import check_quantization
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
@@ -59,6 +60,11 @@ class EngineSpec:
         args = load_args(self.model)
         shape = MeshShape(self.dp, self.pp, self.tp)
         check_layout(args, shape.tp, shape.ep, shape.pp)
+        if self.engine.speculative == "mtp" and not has_mtp_weights(args, CheckpointReader(self.model)):
+            raise ValueError(
+                f"speculative='mtp' but {self.model} has no MTP weights (num_nextn_predict_layers): leave "
+                "speculative unset for this checkpoint"
+            )
         asked = self.engine.max_model_len
         if asked is not None and asked > args.max_position_embeddings:
             raise ValueError(

@@ -1,8 +1,9 @@
 """One method of `launch report`, measured in a process of its own (so its peak memory is its own):
 `python -m moelaunch.launcher.report.measure SPEC_JSON` prints the entry as JSON on its last line.
 
-Every method runs as `launch eval` scores (MTP on when the checkpoint has it), with the same KV cache
-budget, so the baseline's accuracy is `launch eval`'s and the methods differ only in the method.
+Every method runs with the engine's defaults (as `launch` runs a checkpoint) plus its own options, and
+the same KV cache budget, so the methods differ only in the method. Accuracy is scored as `launch eval`
+scores it (`bundled.scoring`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from moelaunch import kernels
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.capabilities import is_task_family
-from moelaunch.launcher.bundled.scoring import score_through_engine, scoring_options
+from moelaunch.launcher.bundled.scoring import score_through_engine
 from moelaunch.launcher.bundled.tasks import held_out_sample
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.report.probes import ANSWER_TOKENS, Probes, baseline_probes, compare, probe_prompts
@@ -102,9 +103,8 @@ def measure(spec: MeasureSpec) -> Entry:
     w = spec.workload
     args = load_args(spec.model)
     task_family = is_task_family(spec.model)
-    options = {**scoring_options(spec.model), **spec.options}
     max_len = max(w.input_len + w.output_len, w.input_len + ANSWER_TOKENS) + 1
-    with LLM(spec.model, max_model_len=max_len, kv_cache_memory=w.kv_cache_memory, **options) as llm:
+    with LLM(spec.model, max_model_len=max_len, kv_cache_memory=w.kv_cache_memory, **spec.options) as llm:
         model, cache = llm.engine.model, llm.engine.cache
         weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
         cache_bytes = sum(t.nbytes for t in vars(cache).values() if isinstance(t, torch.Tensor))

@@ -30,7 +30,8 @@ class Method:
 
 
 _ALL = [
-    Method("baseline", "the checkpoint as it is"),
+    Method("baseline", "the checkpoint as `launch` runs it by default"),
+    Method("mtp", "MTP speculative decoding (the checkpoint's MTP layer drafts)", {"speculative": "mtp"}),
     Method("int8", "INT8 weight-only, per output channel", {"quantization": "int8"}),
     Method("w8a8", "INT8 weights and per-token INT8 activations", {"quantization": "w8a8"}),
     Method("int4", "INT4 weight-only, groups of 128 with zero points", {"quantization": "int4"}),

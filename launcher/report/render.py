@@ -18,7 +18,7 @@ COLUMNS = [
     ("weights MiB", lambda e: f"{e.weights_bytes / MIB:.2f}"),
     ("KV B/token", lambda e: f"{e.kv_cache_bytes_per_token:.0f}"),
     ("accuracy", lambda e: "n/a" if e.accuracy is None else f"{e.accuracy:.3f}"),
-    ("mean |dlogit|", lambda e: f"{e.mean_abs_logit_diff:.4f}"),
+    ("mean abs dlogit", lambda e: f"{e.mean_abs_logit_diff:.4f}"),
     ("greedy agree", lambda e: f"{e.greedy_agreement:.3f}"),
 ]
 FOOTNOTE = "* an approximation of attention (it changes what is computed once a sequence outgrows it)"
@@ -65,10 +65,10 @@ def chart(entries: list[Entry], path: Path, title: str) -> None:
     for ax, (label, values) in zip(axes, panels, strict=True):
         ax.barh(names, values, color=["#4c72b0" if i else "#dd8452" for i in range(len(values))])
         ax.set_title(label, fontsize=10)
-        ax.invert_yaxis()
         for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=8)
+            ax.text(v, y, f" {v:.0f}" if v >= 100 else f" {v:.3g}", va="center", fontsize=8)
         ax.margins(x=0.25)
+    axes[0].invert_yaxis()  # the baseline on top; the axes share it, so once
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
