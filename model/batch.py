@@ -30,8 +30,9 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The single-token spans (decodes) of a layout, which attend together in one kernel call; the
-    same for every layer of a forward pass, so built once per pass."""
+    """The rows of a layout that attend together through the paged decode kernel: its single-token spans
+    (decodes), or under top-k block attention every token. The same for every layer of a forward pass,
+    so built once per pass."""
 
     spans: list[int]  # indices into BatchLayout.spans
     rows: torch.Tensor  # [R] their token rows
@@ -55,15 +56,32 @@ class BatchLayout:
     @cached_property
     def decode_rows(self) -> DecodeRows | None:
         """The decodes, when there is a cache and at least one; None otherwise."""
-        spans = [i for i, s in enumerate(self.spans) if s.length == 1]
-        if self.cache is None or self.block_tables is None or not spans:
+        if self.cache is None or self.block_tables is None:
             return None
         device = self.positions.device
+        if self._topk_cuts_a_prompt():
+            # Top-k block attention picks blocks per query, so every token of a prompt chunk attends as a
+            # decode row does, over its own prefix: each row's length is its position + 1.
+            lengths = torch.tensor([s.length for s in self.spans], device=device)
+            span_of_token = torch.repeat_interleave(torch.arange(len(self.spans), device=device), lengths)
+            rows = torch.arange(self.n_tokens, device=device)
+            return DecodeRows(
+                list(range(len(self.spans))), rows, self.positions + 1, self.block_tables[span_of_token], True
+            )
+        spans = [i for i, s in enumerate(self.spans) if s.length == 1]
+        if not spans:
+            return None
         every_row = len(spans) == len(self.spans) and all(self.spans[i].offset == i for i in spans)
         rows = torch.tensor([self.spans[i].offset for i in spans], device=device)
         seq_lens = torch.tensor([self.spans[i].end_pos for i in spans], device=device)
         tables = self.block_tables if every_row else self.block_tables[torch.tensor(spans, device=device)]
         return DecodeRows(spans, rows, seq_lens, tables, every_row)
+
+    def _topk_cuts_a_prompt(self) -> bool:
+        """Whether top-k block attention is on and could drop blocks of a multi-token span (one whose
+        rows may have more than K full blocks before their own)."""
+        k = self.cache.sparse.topk_blocks
+        return k is not None and any(s.length > 1 for s in self.spans) and self.block_tables.shape[1] - 1 > k
 
     @classmethod
     def build(

@@ -25,9 +25,9 @@ class SparseAttention:
 
     window: a query at position p attends to positions p - window .. p only, in prefill and decode;
     the engine frees the blocks every later query has left behind.
-    topk_blocks: a decode query attends to the K full blocks whose mean latent scores highest against it
-    (the best over its heads; by linearity, the mean of the block's scores) plus its own, latest block;
-    prefill and multi-token spans (speculative verification) attend in full.
+    topk_blocks: a query attends to the K full blocks whose mean latent scores highest against it (the
+    best over its heads; by linearity, the mean of the block's scores) plus its own, latest block; in
+    prefill and speculative verification every token selects its own blocks, as a decode query does.
     """
 
     window: int | None = None

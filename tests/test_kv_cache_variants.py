@@ -408,6 +408,28 @@ def test_topk_decode_equals_attention_under_the_selected_blocks_mask(fp8):
     torch.testing.assert_close(out, torch.stack(expected), rtol=1e-5, atol=1e-5)
 
 
+def test_topk_prefill_selects_per_token_as_decode_does(checkpoint):
+    """Prompt chunks under top-k: every token picks its own blocks, so a whole-prompt prefill gives the
+    log-probabilities of feeding the prompt one token per step (each a decode query, checked against an
+    explicit mask above); full attention gives others once a token has more than K full blocks behind."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
+    prompt = PROMPTS[0]  # 37 tokens: up to 9 full blocks of 4 behind a token
+
+    def first_logprobs(**options) -> list[dict[int, float]]:
+        with LLM(
+            checkpoint, kv_cache_memory=4_000_000, block_size=4, enable_prefix_caching=False, **options
+        ) as llm:
+            return llm.generate([prompt], params)[0].outputs[0].logprobs
+
+    topk = {"attention": {"topk_blocks": 2}}
+    chunked = first_logprobs(**topk)
+    token_by_token = first_logprobs(max_num_batched_tokens=1, **topk)
+    full = first_logprobs()
+    for ours, step in zip(chunked, token_by_token, strict=True):
+        assert ours.keys() == step.keys() and max(abs(ours[t] - step[t]) for t in ours) < 1e-5
+    assert max(abs(lp - full[0].get(t, 0.0)) for t, lp in chunked[0].items()) > 1e-3
+
+
 def test_small_topk_generates_and_reports_agreement(checkpoint, baseline):
     with LLM(checkpoint, kv_cache_memory=4_000_000, block_size=4, attention={"topk_blocks": 2}) as llm:
         tokens = tokens_of(llm, PROMPTS)

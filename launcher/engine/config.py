@@ -29,8 +29,8 @@ class AttentionConfig(BaseModel):
     topk_blocks: int | None = Field(
         None,
         ge=1,
-        description="APPROXIMATION: sparse decode; each new token attends to the K cached blocks whose "
-        "mean latent scores highest against it, plus its latest block (prefill attends in full)",
+        description="APPROXIMATION: sparse attention; each token (prompt tokens too) attends to the K cached "
+        "blocks whose mean latent scores highest against it, plus its own block",
     )
 
     @model_validator(mode="after")
