@@ -7,6 +7,7 @@ compiler, or MOELAUNCH_CPU_KERNELS=0, `module()` is None and the dispatcher keep
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import sys
@@ -15,14 +16,17 @@ import warnings
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp", "fused_cpu.cpp"]
-# Builds take 1-3 minutes: a lock file older than this was left by one that died.
-STALE_LOCK_S = 600.0
+# The longest a build of another process is waited for (builds take 1-3 minutes).
+BUILD_WAIT_S = 900.0
 LOCK_POLL_S = 0.5
+# Held (flock) by whichever process builds: the kernel releases it when that process dies, however.
+GUARD_FILE = "moelaunch-build.guard"
 
 
 def _build_tag() -> str:
@@ -41,13 +45,50 @@ def _build_tag() -> str:
 
 @cache
 def _build() -> ModuleType | None:
-    from torch.utils.cpp_extension import _get_build_directory, load
+    from torch.utils.cpp_extension import _get_build_directory
 
     name = f"moelaunch_cpu_kernels_{_build_tag()}"
     build_dir = Path(_get_build_directory(name, verbose=False))
-    _clear_stale_lock(build_dir / "lock")
+    with open(build_dir / GUARD_FILE, "w") as guard:
+        _hold(guard, build_dir)
+        # Builders take the guard first, so a lock torch left here now is one a killed build left: torch
+        # would wait on it forever.
+        if (build_dir / "lock").exists():
+            (build_dir / "lock").unlink()
+            print(
+                f"moelaunch: removed {build_dir / 'lock'}, left by an interrupted CPU kernel build",
+                file=sys.stderr,
+            )
+        return _compile(name, fresh=not (build_dir / f"{name}.so").is_file())
+
+
+def _hold(guard: IO[str], build_dir: Path) -> None:
+    """Take the build guard, waiting (with a line, at most BUILD_WAIT_S) while another process builds."""
+    deadline = time.monotonic() + BUILD_WAIT_S
+    announced = False
+    while True:
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"another process has been building the CPU kernels in {build_dir} for over "
+                    f"{BUILD_WAIT_S:g} s: stop it, or set MOELAUNCH_CPU_KERNELS=0 to run without them"
+                ) from None
+            if not announced:
+                print(
+                    f"moelaunch: waiting for another process building the CPU kernels ({build_dir})",
+                    file=sys.stderr,
+                )
+                announced = True
+            time.sleep(LOCK_POLL_S)
+
+
+def _compile(name: str, fresh: bool) -> ModuleType | None:
+    from torch.utils.cpp_extension import load
+
     # A first build takes a minute or two: say so, or a first `launch` looks hung.
-    fresh = not (build_dir / f"{name}.so").is_file()
     if fresh:
         print(
             "moelaunch: building the CPU kernels for this machine (first run only, 1-2 minutes)...",
@@ -72,28 +113,6 @@ def _build() -> ModuleType | None:
             stacklevel=3,
         )
         return None
-
-
-def _clear_stale_lock(lock: Path) -> None:
-    """torch's builder waits, silently and without end, while its lock file exists, so a lock left by
-    a build that was killed would hang every later run. Wait here instead, saying so, while the lock is
-    young enough to be a build in progress; remove it once it is older than any build."""
-    announced = False
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_S:
-            lock.unlink(missing_ok=True)
-            print(f"moelaunch: removed {lock}, left by an interrupted CPU kernel build", file=sys.stderr)
-            return
-        if not announced:
-            print(
-                f"moelaunch: waiting for another process building the CPU kernels ({lock})", file=sys.stderr
-            )
-            announced = True
-        time.sleep(LOCK_POLL_S)
 
 
 def module() -> ModuleType | None:

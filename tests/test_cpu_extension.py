@@ -1,9 +1,12 @@
-"""Building the CPU kernels: a visible line on a first build, and a lock file left by an interrupted build
-neither hangs the next run nor is taken from a build in progress."""
+"""Building the CPU kernels: a visible line on a first build; a lock file left by a killed build is
+removed at once, and a build in progress is waited for."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -24,14 +27,16 @@ def fake_build(monkeypatch, tmp_path):
     cpu_extension._build.cache_clear()  # later tests load the real build again
 
 
-def _lock(tmp_path, age_s: float):
+def _build_dir() -> str:
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = f"moelaunch_cpu_kernels_{cpu_extension._build_tag()}"
-    build_dir = _get_build_directory(name, verbose=False)
-    lock = os.path.join(build_dir, "lock")
+    return _get_build_directory(f"moelaunch_cpu_kernels_{cpu_extension._build_tag()}", verbose=False)
+
+
+def _lock() -> str:
+    """torch's lock file, as a build leaves it while it runs (or for good when it is killed)."""
+    lock = os.path.join(_build_dir(), "lock")
     open(lock, "w").close()
-    os.utime(lock, (time.time() - age_s,) * 2)
     return lock
 
 
@@ -41,14 +46,26 @@ def test_a_first_build_says_so(fake_build, capsys):
     assert "building the CPU kernels for this machine (first run only" in err and "built in" in err
 
 
-def test_a_lock_left_by_an_interrupted_build_is_removed(fake_build, tmp_path, capsys):
-    lock = _lock(tmp_path, age_s=cpu_extension.STALE_LOCK_S + 60)
+def test_a_lock_left_by_a_killed_build_is_removed_at_once(fake_build, capsys):
+    # A real builder, SIGKILLed while it holds the guard and torch's lock: the kernel drops its guard.
+    guard = os.path.join(_build_dir(), cpu_extension.GUARD_FILE)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_GUARD, guard, os.path.join(_build_dir(), "lock")], stdout=subprocess.PIPE
+    )
+    assert holder.stdout.readline() == b"holding\n"
+    holder.kill()
+    holder.wait()
+    started = time.monotonic()
     assert cpu_extension._build() == "module"
-    assert not os.path.exists(lock) and "left by an interrupted CPU kernel build" in capsys.readouterr().err
+    assert time.monotonic() - started < 5
+    assert not os.path.exists(os.path.join(_build_dir(), "lock"))
+    assert "left by an interrupted CPU kernel build" in capsys.readouterr().err
 
 
-def test_a_fresh_lock_is_waited_for_until_it_goes_or_grows_stale(fake_build, tmp_path, capsys, monkeypatch):
-    lock = _lock(tmp_path, age_s=5)
+def test_a_build_in_progress_is_waited_for(fake_build, capsys, monkeypatch):
+    guard = open(os.path.join(_build_dir(), cpu_extension.GUARD_FILE), "w")
+    fcntl.flock(guard, fcntl.LOCK_EX)  # another builder (flock conflicts across open files, even here)
+    lock = _lock()
     monkeypatch.setattr(cpu_extension, "LOCK_POLL_S", 0.05)
     polls = []
     real_sleep = time.sleep
@@ -57,12 +74,20 @@ def test_a_fresh_lock_is_waited_for_until_it_goes_or_grows_stale(fake_build, tmp
         polls.append(seconds)
         if len(polls) == 3:
             os.remove(lock)
+            guard.close()
         real_sleep(seconds)
 
     monkeypatch.setattr(cpu_extension.time, "sleep", sleep)
     assert cpu_extension._build() == "module" and len(polls) == 3
-    assert capsys.readouterr().err.count("waiting for another process building") == 1
-    # A builder that died: its lock ages past STALE_LOCK_S while we wait, and is removed then.
-    lock = _lock(tmp_path, age_s=cpu_extension.STALE_LOCK_S - 0.1)
-    cpu_extension._build.cache_clear()
-    assert cpu_extension._build() == "module" and not os.path.exists(lock)
+    err = capsys.readouterr().err
+    assert err.count("waiting for another process building") == 1 and "interrupted" not in err
+
+
+HOLD_GUARD = """
+import fcntl, sys, time
+guard = open(sys.argv[1], "w")
+fcntl.flock(guard, fcntl.LOCK_EX)
+open(sys.argv[2], "w").close()
+print("holding", flush=True)
+time.sleep(60)
+"""
