@@ -260,11 +260,23 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
     assert metric(server, "moelaunch_generation_tokens_total") - tokens_before < 240  # stopped early
 
 
+def settled_metrics(server, names: tuple[str, ...], timeout_s: float = 20) -> tuple[float, ...]:
+    """The metrics once nothing moves them: an earlier test's aborted request is recorded after its
+    client left, on the engine's next step."""
+    deadline = time.monotonic() + timeout_s
+    values = tuple(metric(server, n) for n in names)
+    while True:
+        time.sleep(0.5)
+        again = tuple(metric(server, n) for n in names)
+        if again == values and not metric(server, "moelaunch_num_requests_running"):
+            return values
+        assert time.monotonic() < deadline, "the server's metrics kept moving with no request in flight"
+        values = again
+
+
 def test_metrics_move_as_requests_are_served(server, client):
-    before = (
-        metric(server, "moelaunch_generation_tokens_total"),
-        metric(server, "moelaunch_e2e_request_latency_seconds_count"),
-    )
+    names = ("moelaunch_generation_tokens_total", "moelaunch_e2e_request_latency_seconds_count")
+    before = settled_metrics(server, names)
     client.completions.create(
         model=MODEL, prompt="hello there", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
     )
