@@ -7,6 +7,7 @@ pass with N = 0.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -28,13 +29,17 @@ class SeqSpan:
         return self.start_pos + self.length
 
 
+# Spans up to this many tokens attend as decode rows: speculative verification spans (the last token and
+# its drafts) are this short, and so batch with the decodes instead of attending one span at a time.
+DECODE_SPAN_MAX = 4
+
+
 @dataclass(frozen=True)
 class DecodeRows:
-    """The rows of a layout that attend together through the paged decode kernel: its single-token spans
-    (decodes), or under top-k block attention every token. The same for every layer of a forward pass,
-    so built once per pass."""
+    """The rows of a layout that attend together through the paged decode kernel (see
+    BatchLayout.decode_rows). The same for every layer of a forward pass, so built once per pass."""
 
-    spans: list[int]  # indices into BatchLayout.spans
+    spans: list[int]  # indices into BatchLayout.spans, all of whose tokens are rows here
     rows: torch.Tensor  # [R] their token rows
     seq_lens: torch.Tensor  # [R] cached tokens each attends over, its own included
     block_tables: torch.Tensor  # [R, max_blocks]
@@ -55,27 +60,30 @@ class BatchLayout:
 
     @cached_property
     def decode_rows(self) -> DecodeRows | None:
-        """The decodes, when there is a cache and at least one; None otherwise."""
+        """The rows that attend as decodes (each token over its own prefix, all in one kernel call): the
+        tokens of spans up to DECODE_SPAN_MAX long, or of every span under top-k block attention (which
+        selects blocks per query). None without a cache or such a span."""
         if self.cache is None or self.block_tables is None:
             return None
-        device = self.positions.device
-        if self._topk_cuts_a_prompt():
-            # Top-k block attention picks blocks per query, so every token of a prompt chunk attends as a
-            # decode row does, over its own prefix: each row's length is its position + 1.
-            lengths = torch.tensor([s.length for s in self.spans], device=device)
-            span_of_token = torch.repeat_interleave(torch.arange(len(self.spans), device=device), lengths)
-            rows = torch.arange(self.n_tokens, device=device)
-            return DecodeRows(
-                list(range(len(self.spans))), rows, self.positions + 1, self.block_tables[span_of_token], True
-            )
-        spans = [i for i, s in enumerate(self.spans) if s.length == 1]
+        limit = self.n_tokens if self._topk_cuts_a_prompt() else DECODE_SPAN_MAX
+        spans = [i for i, s in enumerate(self.spans) if s.length <= limit]
         if not spans:
             return None
-        every_row = len(spans) == len(self.spans) and all(self.spans[i].offset == i for i in spans)
-        rows = torch.tensor([self.spans[i].offset for i in spans], device=device)
-        seq_lens = torch.tensor([self.spans[i].end_pos for i in spans], device=device)
-        tables = self.block_tables if every_row else self.block_tables[torch.tensor(spans, device=device)]
-        return DecodeRows(spans, rows, seq_lens, tables, every_row)
+        device = self.positions.device
+        chosen = [self.spans[i] for i in spans]
+        offsets = [s.offset for s in chosen]
+        every_row = len(spans) == len(self.spans) and offsets == list(
+            itertools.accumulate([0, *[s.length for s in chosen[:-1]]])
+        )
+        if all(s.length == 1 for s in chosen):  # plain decodes: the common case, built without gathers
+            rows = torch.tensor(offsets, device=device)
+            seq_lens = torch.tensor([s.end_pos for s in chosen], device=device)
+            tables = self.block_tables if every_row else self.block_tables[torch.tensor(spans, device=device)]
+            return DecodeRows(spans, rows, seq_lens, tables, every_row)
+        rows = torch.cat([torch.arange(s.offset, s.offset + s.length) for s in chosen]).to(device)
+        lengths = torch.tensor([s.length for s in chosen])
+        span_of_row = torch.repeat_interleave(torch.tensor(spans), lengths).to(device)
+        return DecodeRows(spans, rows, self.positions[rows] + 1, self.block_tables[span_of_row], every_row)
 
     def _topk_cuts_a_prompt(self) -> bool:
         """Whether top-k block attention is on and could drop blocks of a multi-token span (one whose
