@@ -8,6 +8,7 @@ of a sharded deployment load just the part of each tensor it owns.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -127,3 +128,26 @@ class CheckpointReader:
                 n *= d
             total += n * sizes.get(sl.get_dtype(), 4)
         return total
+
+
+# A rewritten checkpoint writes these itself; its other files (tokenizer, chat template, generation config)
+# are copied. Weights and a run's training state (`.pt`) are never copied.
+_REWRITTEN = {"config.json", INDEX_FILE}
+_NOT_COPIED = {".safetensors", ".pt"}
+
+
+def check_new_checkpoint_dir(src: str | Path, dst: str | Path) -> None:
+    """Refuse to write a checkpoint into its source, or into a directory that already holds files: mixing
+    with what is there (other shards, another index) would leave a checkpoint that no longer loads."""
+    src, dst = Path(src), Path(dst)
+    if dst.resolve() == src.resolve():
+        raise ValueError(f"destination {dst} is the source checkpoint: choose a new directory")
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"destination {dst} exists and is not an empty directory: choose a new one")
+
+
+def copy_side_files(src: str | Path, dst: str | Path) -> None:
+    """Copy a checkpoint's files other than its weights, config and index into a rewritten copy."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.suffix not in _NOT_COPIED and f.name not in _REWRITTEN:
+            shutil.copy2(f, Path(dst) / f.name)

@@ -9,7 +9,6 @@ shard file names and tensor names, but for the quantization tensors: `*_scale_in
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +16,13 @@ import torch
 from safetensors.torch import save_file
 
 from moelaunch import kernels
-from moelaunch.model.checkpoint import INDEX_FILE, CheckpointError, CheckpointReader
+from moelaunch.model.checkpoint import (
+    INDEX_FILE,
+    CheckpointError,
+    CheckpointReader,
+    check_new_checkpoint_dir,
+    copy_side_files,
+)
 from moelaunch.model.config import load_args
 from moelaunch.model.quantization import IntQuant, is_quantizable, quantize_weight, stored_quantization
 
@@ -28,8 +33,6 @@ FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
     "weight_block_size": [128, 128],
 }
-# Everything but tensors and their index travels unchanged: tokenizer, chat template, generation config.
-_REWRITTEN = {"config.json", INDEX_FILE}
 
 ShardFn = Callable[[CheckpointReader, list[str]], dict[str, torch.Tensor]]
 
@@ -38,16 +41,11 @@ def fp8_to_bf16(src: str | Path, dst: str | Path) -> Path:
     """Write `dequant(W, S)` in bf16 under the same names, without the scale tensors."""
 
     def shard(reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in names:
-            if name.endswith(SCALE_SUFFIX):
-                continue
-            tensor = reader.read(name)
-            if reader.is_fp8(name):
-                scale = reader.read(name + SCALE_SUFFIX, torch.float32)
-                tensor = kernels.weight_dequant(tensor, scale, out_dtype=torch.bfloat16)
-            out[name] = tensor
-        return out
+        return {
+            name: _read_plain(reader, name, torch.bfloat16)
+            for name in names
+            if not name.endswith(SCALE_SUFFIX)
+        }
 
     return _convert(src, dst, shard, lambda cfg: {k: v for k, v in cfg.items() if k != "quantization_config"})
 
@@ -84,10 +82,7 @@ def quantize_int(src: str | Path, dst: str | Path, quant: IntQuant) -> Path:
         for name in names:
             if name.endswith(SCALE_SUFFIX):
                 continue
-            tensor = reader.read(name)
-            if reader.is_fp8(name):
-                scale = reader.read(name + SCALE_SUFFIX, torch.float32)
-                tensor = kernels.weight_dequant(tensor, scale, out_dtype=torch.float32)
+            tensor = _read_plain(reader, name, torch.float32)
             if is_quantizable(name, tuple(tensor.shape)):
                 base = name.removesuffix("weight")
                 out |= {base + key: t for key, t in quantize_weight(tensor, quant).items()}
@@ -111,17 +106,22 @@ def quantize_int4(src: str | Path, dst: str | Path, group_size: int = kernels.IN
     return quantize_int(src, dst, IntQuant("int4", group_size))
 
 
+def _read_plain(reader: CheckpointReader, name: str, fp8_to: torch.dtype) -> torch.Tensor:
+    """A tensor as stored, or for an FP8 one its dequantized values in `fp8_to`."""
+    tensor = reader.read(name)
+    if reader.is_fp8(name):
+        tensor = kernels.weight_dequant(
+            tensor, reader.read(name + SCALE_SUFFIX, torch.float32), out_dtype=fp8_to
+        )
+    return tensor
+
+
 def _convert(
     src: str | Path, dst: str | Path, shard_fn: ShardFn, edit_config: Callable[[dict], dict]
 ) -> Path:
     src, dst = Path(src), Path(dst)
     reader = CheckpointReader(src)
-    if dst.resolve() == src.resolve():
-        raise ValueError(f"destination {dst} is the source directory: choose a new directory")
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        # Mixing with what is there (other shards, another index) would leave a checkpoint that no
-        # longer loads.
-        raise ValueError(f"destination {dst} exists and is not an empty directory: choose a new one")
+    check_new_checkpoint_dir(src, dst)
     dst.mkdir(parents=True, exist_ok=True)
     by_file: dict[str, list[str]] = {}
     for name, file in reader.weight_map.items():
@@ -137,7 +137,5 @@ def _convert(
         (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(edit_config(config), indent=2) + "\n")
-    for f in src.iterdir():
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in _REWRITTEN:
-            shutil.copy2(f, dst / f.name)
+    copy_side_files(src, dst)
     return dst

@@ -259,21 +259,43 @@ def _healthy(url: str) -> bool:
         return False
 
 
-@pytest.mark.slow
-def test_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, checkpoint, loopback_cluster):
-    address, _ = loopback_cluster
-    prompts = {f"r{i}": f"request number {i}" for i in range(8)}
+# A batch that trickles out: one sequence per replica at a time, 32 tokens each, for several seconds.
+TRICKLE = {f"r{i}": f"request number {i}" for i in range(8)}
+
+
+def trickle_expected(checkpoint: str) -> dict[str, list[int]]:
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     with LLM(checkpoint, max_model_len=128) as llm:
-        outs = llm.generate(list(prompts.values()), greedy)
-    expected = {k: o.outputs[0].token_ids for k, o in zip(prompts, outs, strict=True)}
-    # One sequence per replica at a time, 32 tokens each: results trickle out for several seconds.
-    config = deployment(tmp_path, checkpoint, address, engine__max_num_seqs=1, job__max_tokens=32)
-    write_prompts(tmp_path / "prompts.jsonl", prompts, ignore_eos=True)
-    out = tmp_path / "results.jsonl"
+        outs = llm.generate(list(TRICKLE.values()), greedy)
+    return {k: o.outputs[0].token_ids for k, o in zip(TRICKLE, outs, strict=True)}
 
+
+def trickle_deployment(tmp_path: Path, checkpoint: str, address: str, **changes: object) -> Path:
+    config = deployment(tmp_path, checkpoint, address, engine__max_num_seqs=1, job__max_tokens=32, **changes)
+    write_prompts(tmp_path / "prompts.jsonl", TRICKLE, ignore_eos=True)  # in place of the default prompts
+    return config
+
+
+@dataclass
+class RunningJob:
+    proc: subprocess.Popen
+    err: list[str]
+    reader: threading.Thread
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait(self, timeout_s: float) -> int:
+        rc = self.proc.wait(timeout=timeout_s)
+        self.reader.join(timeout=10)
+        return rc
+
+
+def start_until_results(config: Path, out: Path, netns: str | None = None) -> RunningJob:
+    """`launch CONFIG` in the background, returned once all 4 ranks are up and 2 results are written."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "moelaunch.launcher.cli", str(config)],
+        [*netns_prefix(netns), sys.executable, "-m", "moelaunch.launcher.cli", str(config)],
         cwd=REPO,
         env=node_env(),
         stdout=subprocess.DEVNULL,
@@ -283,26 +305,36 @@ def test_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, checkpoint, loop
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
     reader.start()
+    job = RunningJob(proc, err, reader)
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(rank_table("".join(err))) == 4 and out.exists() and out.read_text().count("\n") >= 2:
+        if len(rank_table(job.stderr)) == 4 and out.exists() and out.read_text().count("\n") >= 2:
             break
         time.sleep(0.1)
-    assert proc.poll() is None, "the job ended before a rank could be killed:\n" + "".join(err)[-3000:]
-    table = rank_table("".join(err))
+    assert proc.poll() is None, "the job ended before the fault could be made:\n" + job.stderr[-3000:]
+    return job
+
+
+@pytest.mark.slow
+def test_killed_rank_ends_the_job_and_a_rerun_resumes(tmp_path, checkpoint, loopback_cluster):
+    address, _ = loopback_cluster
+    expected = trickle_expected(checkpoint)
+    config = trickle_deployment(tmp_path, checkpoint, address)
+    out = tmp_path / "results.jsonl"
+    job = start_until_results(config, out)
+    table = rank_table(job.stderr)
     victim = 3  # a rank on the node that is not rank 0's
     ip, pid = table[victim]
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    rc = proc.wait(timeout=60)
-    reader.join(timeout=10)
-    stderr = "".join(err)
+    rc = job.wait(timeout_s=60)
+    stderr = job.stderr
     assert rc != 0
     assert time.monotonic() - killed_at < 20, "the dead rank was not noticed within seconds"
     assert f"rank {victim} on node {ip} (pid {pid}) stopped: its process died" in stderr, stderr[-3000:]
     assert_gone([p for _, p in table.values()])
     partial = results(out)
-    assert 2 <= len(partial) < len(prompts)
+    assert 2 <= len(partial) < len(TRICKLE)
 
     done = launch(config, "--set", "engine.max_num_seqs=8")  # the rerun may batch differently
     assert done.returncode == 0, done.stderr[-3000:]
@@ -387,45 +419,16 @@ def test_a_stopped_node_ends_the_job_naming_it_and_a_rerun_resumes(
     tmp_path, checkpoint, two_network_namespaces
 ):
     hosts = two_network_namespaces
-    prompts = {f"r{i}": f"request number {i}" for i in range(8)}
-    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    with LLM(checkpoint, max_model_len=128) as llm:
-        outs = llm.generate(list(prompts.values()), greedy)
-    expected = {k: o.outputs[0].token_ids for k, o in zip(prompts, outs, strict=True)}
-    # One sequence per replica at a time, 32 tokens each: results trickle out for several seconds.
-    config = deployment(
-        tmp_path,
-        checkpoint,
-        hosts.address,
-        cluster__env={"GLOO_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "1"},
-        engine__max_num_seqs=1,
-        job__max_tokens=32,
-    )
-    write_prompts(tmp_path / "prompts.jsonl", prompts, ignore_eos=True)
+    expected = trickle_expected(checkpoint)
+    env = {"GLOO_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "1"}
+    config = trickle_deployment(tmp_path, checkpoint, hosts.address, cluster__env=env)
     out = tmp_path / "results.jsonl"
-    proc = subprocess.Popen(
-        [*netns_prefix(hosts.netns[0]), sys.executable, "-m", "moelaunch.launcher.cli", str(config)],
-        cwd=REPO,
-        env=node_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
-    reader.start()
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(rank_table("".join(err))) == 4 and out.exists() and out.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, "the job ended before the node could be stopped:\n" + "".join(err)[-3000:]
-    table = rank_table("".join(err))
+    job = start_until_results(config, out, netns=hosts.netns[0])
+    table = rank_table(job.stderr)
     stopped_at = time.monotonic()
     hosts.nodes[1].stop()  # the second host's raylet and everything it started, as a node going down
-    rc = proc.wait(timeout=90)
-    reader.join(timeout=10)
-    stderr = "".join(err)
+    rc = job.wait(timeout_s=90)
+    stderr = job.stderr
     assert rc != 0
     assert time.monotonic() - stopped_at < 60, "the lost node was not noticed within the call timeout"
     lost = [r for r, (ip, _) in table.items() if ip == f"{SUBNET}.2"]
@@ -435,7 +438,7 @@ def test_a_stopped_node_ends_the_job_naming_it_and_a_rerun_resumes(
     assert "Traceback" not in stderr, stderr[-3000:]
     assert_gone([p for _, p in table.values()])
     partial = results(out)
-    assert 2 <= len(partial) < len(prompts)
+    assert 2 <= len(partial) < len(TRICKLE)
 
     hosts.restart_second_node()
     done = launch(config, "--set", "engine.max_num_seqs=8", netns=hosts.netns[0])

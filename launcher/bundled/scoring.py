@@ -1,5 +1,5 @@
 """Exact-match scoring of a checkpoint on the task family through the engine: the path `launch`, the
-API and the server take (chat template, batching, paged cache, MTP when the checkpoint has it).
+API and the server take (chat template, batching, paged cache, and whatever options the LLM was given).
 
 `launch eval` and `launch report` both score with `score_through_engine`, so their figures agree.
 """

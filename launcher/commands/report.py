@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -68,10 +69,10 @@ def _check(args: argparse.Namespace) -> Workload:
 
 
 def _derive(method: Method, model: str, out: Path) -> str:
-    """The method's checkpoint, written by its `launch` tool under OUT (reused when already there)."""
+    """The method's checkpoint, written afresh by its `launch` tool under OUT (one left by an earlier run
+    may come from another model)."""
     dst = out / "checkpoints" / method.name
-    if (dst / "config.json").is_file():
-        return str(dst)
+    shutil.rmtree(dst, ignore_errors=True)
     command = [
         sys.executable,
         "-m",

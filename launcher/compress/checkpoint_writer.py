@@ -8,30 +8,15 @@ memory whole: this is for checkpoints that fit in the memory of one machine.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from moelaunch.model.checkpoint import INDEX_FILE, CheckpointReader
+from moelaunch.model.checkpoint import CheckpointReader, copy_side_files
 
 WEIGHTS_FILE = "model.safetensors"
-# Rewritten here; the rest (tokenizer, chat template, generation config) is copied unchanged.
-_REWRITTEN = {"config.json", INDEX_FILE}
-# Tensors are rewritten; a training state (a distillation's resume point) belongs to its run only.
-_NOT_COPIED = {".safetensors", ".pt"}
-
-
-def check_output_dir(src: str | Path, out: str | Path) -> None:
-    """Refuse to write into the source or into a directory that already holds files: mixing with what
-    is there (other shards, another index) would leave a checkpoint that no longer loads."""
-    src, out = Path(src), Path(out)
-    if out.resolve() == src.resolve():
-        raise ValueError(f"output {out} is the source checkpoint: choose a new directory")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output {out} exists and is not an empty directory: choose a new one")
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
@@ -58,14 +43,12 @@ def write_checkpoint(
     src: str | Path, out: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]
 ) -> Path:
     """Write `tensors` as one safetensors file with `config` and the source's other files (callers
-    check the output directory with check_output_dir before the slow part of their work)."""
+    check the output directory with check_new_checkpoint_dir before the slow part of their work)."""
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"}
     )
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for f in src.iterdir():
-        if f.is_file() and f.suffix not in _NOT_COPIED and f.name not in _REWRITTEN:
-            shutil.copy2(f, out / f.name)
+    copy_side_files(src, out)
     return out

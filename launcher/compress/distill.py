@@ -21,7 +21,6 @@ from moelaunch.launcher.bundled.train_small.export import checkpoint_tensors
 from moelaunch.launcher.bundled.train_small.train import TrainConfig, balance_experts, lr_at
 from moelaunch.launcher.compress.calibration import calibration_sequences
 from moelaunch.launcher.compress.checkpoint_writer import (
-    check_output_dir,
     read_config,
     read_tensors,
     write_checkpoint,
@@ -30,6 +29,7 @@ from moelaunch.launcher.compress.distill_data import DistillBatch, DistillData
 from moelaunch.launcher.compress.distill_student import kept_layers, student_config, student_tensors
 from moelaunch.launcher.compress.expert_pruning import count_expert_usage
 from moelaunch.model import CheckpointReader, Transformer, load_model
+from moelaunch.model.checkpoint import check_new_checkpoint_dir
 
 STATE_FILE = "distill_state.pt"
 # Steps, batch, learning-rate schedule, seed, MTP weight and expert balancing, in the bundled model's
@@ -70,7 +70,7 @@ def check_config(cfg: DistillConfig) -> dict[str, Any]:
     if cfg.resume and not state.exists():
         raise ValueError(f"--resume: {state} not found; start without --resume in a new directory")
     if not cfg.resume:
-        check_output_dir(cfg.teacher, cfg.out)
+        check_new_checkpoint_dir(cfg.teacher, cfg.out)
     return student_config(read_config(cfg.teacher), cfg.layers, cfg.experts, cfg.n_group, cfg.topk_group)
 
 

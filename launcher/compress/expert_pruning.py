@@ -18,12 +18,12 @@ import torch
 from moelaunch.launcher.bundled.expert_load import ExpertLoad
 from moelaunch.launcher.compress.calibration import calibration_sequences
 from moelaunch.launcher.compress.checkpoint_writer import (
-    check_output_dir,
     read_config,
     read_tensors,
     write_checkpoint,
 )
 from moelaunch.model import Transformer, args_from_hf_config, load_model
+from moelaunch.model.checkpoint import check_new_checkpoint_dir
 from moelaunch.model.transformer import checkpoint_name
 
 _MLP_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)")
@@ -140,7 +140,7 @@ def prune_experts(
     topk_group: int | None = None,
 ) -> ExpertPruning:
     """Write `out`: `src` with each MoE layer's k most used routed experts (see the module doc)."""
-    check_output_dir(src, out)
+    check_new_checkpoint_dir(src, out)
     config = routing_config(read_config(src), k, n_group, topk_group)
     sequences = calibration_sequences(src, calibration)
     counts = count_expert_usage(load_model(src), sequences)

@@ -18,7 +18,6 @@ from torch import nn
 
 from moelaunch.launcher.compress.calibration import calibration_sequences
 from moelaunch.launcher.compress.checkpoint_writer import (
-    check_output_dir,
     read_config,
     read_tensors,
     write_checkpoint,
@@ -26,6 +25,7 @@ from moelaunch.launcher.compress.checkpoint_writer import (
 from moelaunch.launcher.compress.expert_pruning import top_k_ids
 from moelaunch.model import ModelArgs, Transformer, args_from_hf_config, load_model
 from moelaunch.model.attention import MLA
+from moelaunch.model.checkpoint import check_new_checkpoint_dir
 from moelaunch.model.transformer import checkpoint_name
 
 _ATTN_TENSOR = re.compile(r"model\.layers\.(\d+)\.self_attn\.(q_b_proj|q_proj|kv_b_proj|o_proj)\.weight")
@@ -97,7 +97,7 @@ def prune_heads(
     src: str | Path, out: str | Path, h: int, calibration: str | Path | None = None
 ) -> dict[int, list[int]]:
     """Write `out`: `src` with each layer's h most important heads; returns the heads kept per layer."""
-    check_output_dir(src, out)
+    check_new_checkpoint_dir(src, out)
     config = read_config(src)
     new_config = heads_config(config, h)
     sequences = calibration_sequences(src, calibration)

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from moelaunch.launcher.compress.checkpoint_writer import (
-    check_output_dir,
     read_config,
     read_tensors,
     write_checkpoint,
 )
+from moelaunch.model.checkpoint import check_new_checkpoint_dir
 from moelaunch.model.convert import is_quantizable
 
 # N:M patterns: keep N of every M consecutive weights along the input dimension.
@@ -77,6 +77,6 @@ def prune_weights(
 def prune_magnitude(src: str | Path, out: str | Path, sparsity: float, pattern: str | None = None) -> Path:
     """Write `out`: `src` with its projection weights pruned by magnitude (see the module doc)."""
     check_sparsity(sparsity, pattern)
-    check_output_dir(src, out)
+    check_new_checkpoint_dir(src, out)
     config = read_config(src)
     return write_checkpoint(src, out, prune_weights(read_tensors(src), sparsity, pattern), config)
