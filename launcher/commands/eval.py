@@ -1,83 +1,81 @@
-"""`launch eval --model DIR [--n 500]`: score a checkpoint of the task family on the held-out set.
+"""`launch eval --model DIR [--n 1000] [--multi-turn]`: score a checkpoint of the bundled task family.
 
-Greedy generation through the project's generate path; reports accuracy per kind, expert load
-balance (max/mean tokens per expert, per MoE layer) and MTP draft acceptance. The last line is
-`accuracy=<fraction> n=<count>`.
+The held-out problems go through the engine, the path of `launch` and the API (greedy, MTP speculative
+decoding when the checkpoint has an MTP layer), all in one batch per turn. Reports exact match per skill,
+per form and per turn position (`--multi-turn`: conversations of 2-6 turns, each turn asked after the
+model's own earlier replies), expert load balance (max/mean tokens per expert, per MoE layer, over every
+token the engine ran) and MTP draft acceptance. The last line is `accuracy=<fraction> n=<answers>`.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
-
-import torch
+import time
 
 from moelaunch.launcher.bundled.expert_load import ExpertLoad
-from moelaunch.launcher.bundled.task_model import DEFAULT_CHECKPOINT, TaskModel
-from moelaunch.launcher.bundled.tasks import HELD_OUT_SIZE, held_out_sample, is_correct
+from moelaunch.launcher.bundled.problem_sets import HELD_OUT_SIZE, conversations_sample, held_out_sample
+from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, Answer, accuracy, ask, open_engine, tally
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "eval", help="exact-match accuracy of a task-family checkpoint on held-out problems"
+        "eval",
+        help="exact-match accuracy of a task-family checkpoint on held-out problems, through the engine",
     )
     p.add_argument(
         "--model", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory (default: the shipped one)"
     )
-    p.add_argument("--n", type=int, default=500, help=f"held-out problems to score (1..{HELD_OUT_SIZE})")
+    p.add_argument(
+        "--n", type=int, default=HELD_OUT_SIZE, help=f"held-out questions to score (1..{HELD_OUT_SIZE})"
+    )
+    p.add_argument(
+        "--multi-turn", action="store_true", help="score conversations of 2-6 turns (about --n turns in all)"
+    )
     p.set_defaults(func=run)
 
 
-@torch.inference_mode()
-def mtp_acceptance(tm: TaskModel, sequences: list[tuple[list[int], list[int]]]) -> tuple[int, int]:
-    """(accepted, drafted): positions of the generated answers where the MTP layer's argmax for token
-    i+2 (from the main model's hidden at i and token i+1) equals the main model's greedy token i+2.
+def _print_table(title: str, rows: dict[str, tuple[int, int]]) -> None:
+    print(f"{title}:")
+    for name, (right, total) in rows.items():
+        print(f"  {name:12s} {right:4d}/{total:<4d} {right / total:.3f}")
 
-    Drafts start where token i+1 is the first generated token, as in speculative decoding.
-    """
-    accepted = drafted = 0
-    for prompt, answer in sequences:
-        if len(answer) < 2:
-            continue
-        ids = torch.tensor([prompt + answer])
-        hidden = tm.model.hidden_states(ids)
-        draft = tm.model.mtp_logits(hidden[:, :-1], ids[:, 1:]).argmax(-1)[0]
-        # draft[i] guesses ids[i + 2]; i runs from the last prompt token to the third-last token.
-        first = len(prompt) - 1
-        guesses, truth = draft[first : ids.shape[1] - 2], ids[0, first + 2 :]
-        accepted += int((guesses == truth).sum())
-        drafted += len(truth)
-    return accepted, drafted
+
+def report(answers: list[Answer], multi_turn: bool) -> None:
+    _print_table("per skill", tally(answers, lambda a: a.problem.kind))
+    _print_table("per form", tally(answers, lambda a: a.problem.form))
+    if multi_turn:
+        _print_table("per turn", tally(sorted(answers, key=lambda a: a.turn), lambda a: a.turn))
+        later = [a for a in answers if a.turn > 1]
+        print(f"turns 2-6: {accuracy(later):.4f} ({sum(a.correct for a in later)}/{len(later)})")
+
+
+def _layer(gate_name: str, n_layers: int) -> str:
+    """Gates are named model.layers.<i>.mlp.gate, or mtp.<k>.mlp.gate for MTP layer n_layers + k."""
+    parts = gate_name.split(".")
+    return f"layer {n_layers + int(parts[1])} (MTP)" if parts[0] == "mtp" else f"layer {parts[2]}"
 
 
 def run(args: argparse.Namespace) -> int:
-    problems = held_out_sample(args.n)
-    tm = TaskModel.load(args.model)
-    sequences = []
-    right: Counter[str] = Counter()
-    total: Counter[str] = Counter()
-    # Main-layer gates are counted during generation; the MTP layer's during the acceptance pass.
-    with ExpertLoad(tm.model.model) as main_load:
-        for p in problems:
-            prompt = tm.prompt_ids(p.prompt)
-            answer = tm.generate_ids(prompt)
-            sequences.append((prompt, answer))
-            total[p.kind] += 1
-            right[p.kind] += is_correct(p, tm.tokenizer.decode(answer))
-    for kind in total:
-        print(f"{kind:8s} {right[kind]}/{total[kind]}")
+    conversations = (
+        conversations_sample(args.n) if args.multi_turn else [(p,) for p in held_out_sample(args.n)]
+    )
+    llm = open_engine(args.model)
+    start = time.time()
+    try:
+        with ExpertLoad(llm.engine.model) as load:
+            answers = ask(llm, conversations)
+    finally:
+        llm.shutdown()
+    report(answers, args.multi_turn)
     print("expert load, max/mean tokens per expert (1.00 is even):")
-    for name, ratio in main_load.imbalance().items():
-        print(f"  layer {name.split('.')[1]}: {ratio:.2f}")
-    if len(tm.model.mtp) == 0:
-        print("MTP draft acceptance: n/a (no MTP weights in the checkpoint)")
-    else:
-        with ExpertLoad(tm.model.mtp) as mtp_load:
-            accepted, drafted = mtp_acceptance(tm, sequences)
-        for name, ratio in mtp_load.imbalance().items():
-            layer = tm.model.args.num_hidden_layers + int(name.split(".")[0])
-            print(f"  layer {layer} (MTP): {ratio:.2f}")
-        print(f"MTP draft acceptance: {accepted / max(drafted, 1):.4f} ({accepted}/{drafted} drafted tokens)")
-    n_right = sum(right.values())
-    print(f"accuracy={n_right / len(problems):.4f} n={len(problems)}")
+    n_layers = llm.engine.model.args.num_hidden_layers
+    for name, ratio in load.imbalance().items():
+        print(f"  {_layer(name, n_layers)}: {ratio:.2f}")
+    acceptance = llm.engine.spec_stats.acceptance
+    print(
+        "MTP draft acceptance: "
+        + ("n/a (no MTP weights in the checkpoint)" if acceptance is None else f"{acceptance:.4f}")
+    )
+    print(f"{len(answers)} answers in {time.time() - start:.0f}s")
+    print(f"accuracy={accuracy(answers):.4f} n={len(answers)}")
     return 0
