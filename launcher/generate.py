@@ -25,6 +25,7 @@ from moelaunch.launcher.engine.launch import DTYPES, EngineSpec, build_engine
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
 from moelaunch.launcher.jobs.drive import run_to_completion
+from moelaunch.launcher.jobs.output_path import check_writable
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,8 +99,12 @@ def run_interactive(engine: LLMEngine, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if args.output_file:
+            check_writable(Path(args.output_file), "--output-file")
+        if args.input_file and not Path(args.input_file).is_file():
+            raise ValueError(f"--input-file {args.input_file} not found")
         engine = build(args)
-    except ValueError as e:  # bad layout or checkpoint: one line (from global rank 0), not a traceback
+    except ValueError as e:  # bad input, layout or checkpoint: one line (from global rank 0)
         if RankEnv.from_env().rank == 0:
             print(f"error: {e}", file=sys.stderr)
         return 1

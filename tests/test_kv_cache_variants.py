@@ -18,7 +18,8 @@ from moelaunch.kernels import dequantize_latent, quantize_latent
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as ref
 from moelaunch.launcher import LLM, SamplingParams
-from moelaunch.launcher.bundled.tasks import held_out_sample, is_correct
+from moelaunch.launcher.bundled.problem_sets import held_out_sample
+from moelaunch.launcher.bundled.tasks import is_correct
 from moelaunch.model import PagedLatentCache, SparseAttention, load_args, load_model
 from moelaunch.model.config import ModelArgs
 

@@ -1,5 +1,6 @@
 """The shipped small model (checkpoints/small): it loads in our loader and in transformers with the same
-logits, it still solves the task family, and the script that trained it runs end to end."""
+logits, it still solves the task family through the engine, single questions and later turns of a
+conversation, and the script that trained it runs end to end."""
 
 from __future__ import annotations
 
@@ -11,18 +12,26 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moelaunch.launcher.bundled.task_model import DEFAULT_CHECKPOINT, TaskModel
-from moelaunch.launcher.bundled.tasks import held_out, held_out_sample, is_correct, training_stream
+from moelaunch.launcher.bundled.problem_sets import (
+    conversations_sample,
+    held_out,
+    held_out_conversations,
+    held_out_sample,
+    messages,
+    training_conversations,
+)
+from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, accuracy, ask, open_engine
 from moelaunch.launcher.bundled.train_small.__main__ import main as train_main
 from moelaunch.launcher.cli import main as cli_main
 from moelaunch.model import load_model
+from moelaunch.model.tokenizer import Tokenizer
 
 CKPT = DEFAULT_CHECKPOINT
 
 
 @pytest.fixture(scope="module")
-def task_model() -> TaskModel:
-    return TaskModel.load(CKPT)
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(CKPT)
 
 
 def test_checkpoint_is_a_small_deepseek_v3():
@@ -32,46 +41,53 @@ def test_checkpoint_is_a_small_deepseek_v3():
         cfg["num_nextn_predict_layers"] == 1 and cfg["q_lora_rank"] and cfg["rope_scaling"]["type"] == "yarn"
     )
     assert cfg["first_k_dense_replace"] >= 1 and cfg["topk_group"] < cfg["n_group"] > 1
+    assert cfg["topk_method"] == "noaux_tc" and cfg["scoring_func"] == "sigmoid" and cfg["n_shared_experts"]
     assert sum(f.stat().st_size for f in CKPT.iterdir()) <= 20 * 2**20
 
 
-def test_chat_template_and_special_ids(task_model):
-    tok = task_model.tokenizer
-    assert (tok.bos_id, tok.eos_id) == (0, 1)
-    text = tok.apply_chat_template([{"role": "user", "content": "Reverse abc"}])
+def test_chat_template_and_special_ids(tokenizer):
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Reverse abc"}])
     assert text == "<｜begin▁of▁sentence｜><｜User｜>Reverse abc<｜Assistant｜>"
-    assert tok.decode(tok.encode("What is 12+3?")) == "What is 12+3?"
+    for typed in ("What's 123 + 456?", "Reverse DeepSeek", "Sort 9, 3, 77"):
+        assert tokenizer.decode(tokenizer.encode(typed)) == typed
 
 
-def test_logits_match_transformers(task_model):
+def test_logits_match_transformers(tokenizer):
     import transformers
 
     reference = transformers.AutoModelForCausalLM.from_pretrained(CKPT, dtype=torch.float32).eval()
-    problem = held_out_sample(1)[0]
-    ids = torch.tensor([task_model.prompt_ids(problem.prompt) + task_model.tokenizer.encode(problem.answer)])
+    ours = load_model(CKPT)
+    conversation = held_out_conversations()[0]
+    ids = torch.tensor([tokenizer.encode_chat(messages(conversation), add_generation_prompt=False)])
     with torch.no_grad():
-        expected = reference(ids).logits
-        ours = task_model.model(ids)
-    assert (ours - expected).abs().max().item() <= 1e-4
+        assert (ours(ids) - reference(ids).logits).abs().max().item() <= 1e-4
 
 
-def test_mtp_layer_is_loaded(task_model):
-    assert len(task_model.model.mtp) == 1
+def test_held_out_sets_are_fixed_and_disjoint_from_training():
+    assert len({p.prompt for p in held_out()}) == len(held_out()) == 1000
+    conversations = held_out_conversations()
+    assert sum(map(len, conversations)) == 1000 and all(2 <= len(c) <= 6 for c in conversations[:-1])
+    prompts = {p.prompt for p in held_out()} | {p.prompt for c in conversations for p in c}
+    stream = training_conversations(seed=0)
+    asked = [p for _ in range(2000) for p in next(stream)]
+    assert not any(p.prompt in prompts for p in asked if p.kind != "other")
 
 
-def test_held_out_is_fixed_and_disjoint_from_training():
-    assert len({p.prompt for p in held_out()}) == len(held_out()) >= 500
-    prompts = {p.prompt for p in held_out()}
-    stream = training_stream(seed=0)
-    assert not any(next(stream).prompt in prompts for _ in range(5000))
-
-
-def test_accuracy_on_held_out_sample(task_model):
-    """The shipped model still solves the task family (0.98 on 500 problems, see docs/benchmarks.md;
-    target 0.95): a broken loader, kernel or generate path scores far lower."""
-    problems = held_out_sample(40)
-    right = sum(is_correct(p, task_model.reply(p.prompt)) for p in problems)
-    assert right / len(problems) >= 0.95
+def test_accuracy_through_the_engine():
+    """The shipped model still answers through the engine, MTP on (see docs/benchmarks.md for the full
+    held-out figures): 200 single questions, and turns 2-6 of conversations asked after the model's own
+    replies. A broken loader, kernel, cache or speculative path scores far lower."""
+    llm = open_engine(CKPT)
+    try:
+        single = ask(llm, [(p,) for p in held_out_sample(200)])
+        later = [a for a in ask(llm, conversations_sample(150)) if a.turn > 1]
+        acceptance = llm.engine.spec_stats.acceptance
+    finally:
+        llm.shutdown()
+    assert accuracy(single) >= 0.94, [(a.problem.prompt, a.output) for a in single if not a.correct]
+    assert accuracy(later) >= 0.9 and len(later) >= 100
+    assert acceptance is not None and acceptance >= 0.85
 
 
 def test_eval_command_without_mtp_weights(tmp_path, capsys):
@@ -83,15 +99,16 @@ def test_eval_command_without_mtp_weights(tmp_path, capsys):
     save_file(
         {k: v for k, v in tensors.items() if not k.startswith(mtp_prefix)}, tmp_path / "model.safetensors"
     )
-    assert cli_main(["eval", "--model", str(tmp_path), "--n", "5"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert "MTP draft acceptance: n/a" in "\n".join(lines)
-    assert re.fullmatch(r"accuracy=[01]\.\d{4} n=5", lines[-1])
+    assert cli_main(["eval", "--model", str(tmp_path), "--n", "8", "--multi-turn"]) == 0
+    out = capsys.readouterr().out
+    assert "MTP draft acceptance: n/a" in out and "per turn:" in out and "per form:" in out
+    assert re.search(r"^  2 +\d+/\d+", out, re.MULTILINE)  # turn 2 has a row
+    assert re.fullmatch(r"accuracy=[01]\.\d{4} n=(\d+)", out.strip().splitlines()[-1])
 
 
 def test_training_script_smoke(tmp_path):
     out = tmp_path / "tiny"
-    assert train_main(["--out", str(out), "--tiny", "--steps", "3", "--batch", "8"]) == 0
+    assert train_main(["--out", str(out), "--tiny", "--steps", "3", "--batch", "2"]) == 0
     model = load_model(out)
     assert len(model.mtp) == 1
     assert model(torch.tensor([[0, 3, 6]])).shape == (1, 3, model.args.vocab_size)

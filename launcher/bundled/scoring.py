@@ -1,39 +1,72 @@
-"""Exact-match scoring of a checkpoint on the task family through the engine: the path `launch`, the
-API and the server take (chat template, batching, paged cache, and whatever options the LLM was given).
+"""The task family asked through the engine, as `launch`'s chat and the API ask it: greedy, MTP
+speculative decoding on, every conversation's turn k in one batch, each later turn asked after the
+model's own earlier replies.
 
-`launch eval` and `launch report` both score with `score_through_engine`, so their figures agree.
+Used by `launch eval` and by the tests of the bundled model.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from moelaunch.launcher.api import LLM
+from moelaunch.launcher.bundled.problem_sets import Conversation, messages
 from moelaunch.launcher.bundled.tasks import Problem, is_correct
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.model.checkpoint import CheckpointReader
+from moelaunch.model.config import load_args
+from moelaunch.model.loading import has_mtp_weights
 
-# The longest answer (four sorted 2-digit numbers) is 11 tokens plus eos; the rest is headroom.
-MAX_ANSWER_TOKENS = 32
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "small"
+# The longest answer is the out-of-scope sentence (53 tokens) plus eos; the rest is headroom.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+KV_CACHE_BYTES = 256 * 2**20
 
 
-@dataclass
-class Score:
-    right: Counter[str] = field(default_factory=Counter)  # per problem kind
-    total: Counter[str] = field(default_factory=Counter)
+@dataclass(frozen=True)
+class Answer:
+    problem: Problem
+    turn: int  # position in its conversation, from 1
+    output: str
 
     @property
-    def accuracy(self) -> float:
-        return sum(self.right.values()) / max(sum(self.total.values()), 1)
+    def correct(self) -> bool:
+        return is_correct(self.problem, self.output)
 
 
-def score_through_engine(llm: LLM, problems: Sequence[Problem]) -> Score:
-    """Greedy answers to every problem, asked as one-turn chats in one batch."""
-    greedy = SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS)
-    outputs = llm.chat([p.messages() for p in problems], greedy)
-    score = Score()
-    for problem, out in zip(problems, outputs, strict=True):
-        score.total[problem.kind] += 1
-        score.right[problem.kind] += is_correct(problem, out.outputs[0].text)
-    return score
+def open_engine(model: str | Path) -> LLM:
+    """The engine on `model`, drafting with its MTP layer when the checkpoint has one."""
+    mtp = has_mtp_weights(load_args(model), CheckpointReader(model))
+    return LLM(model=str(model), speculative="mtp" if mtp else None, kv_cache_memory=KV_CACHE_BYTES)
+
+
+def ask(llm: LLM, conversations: Sequence[Conversation]) -> list[Answer]:
+    """Every turn of every conversation, answered in order; the history holds the model's own replies."""
+    replies: list[list[str]] = [[] for _ in conversations]
+    answers: list[Answer] = []
+    for turn in range(max(map(len, conversations))):
+        active = [i for i, conv in enumerate(conversations) if len(conv) > turn]
+        outputs = llm.chat([messages(conversations[i], replies[i]) for i in active], GREEDY)
+        for i, out in zip(active, outputs, strict=True):
+            text = out.outputs[0].text
+            replies[i].append(text)
+            answers.append(Answer(conversations[i][turn], turn + 1, text))
+    return answers
+
+
+def tally(answers: Sequence[Answer], key: Callable[[Answer], object]) -> dict[str, tuple[int, int]]:
+    """(right, total) per value of key, in order of first appearance."""
+    right: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    for a in answers:
+        k = str(key(a))
+        total[k] += 1
+        right[k] += a.correct
+    return {k: (right[k], n) for k, n in total.items()}
+
+
+def accuracy(answers: Sequence[Answer]) -> float:
+    return sum(a.correct for a in answers) / max(len(answers), 1)

@@ -1,41 +1,39 @@
-"""The synthetic chat task family the shipped small model is trained and scored on.
+"""The synthetic chat task family the bundled model is trained and scored on.
 
-Every problem has one exact answer: addition and subtraction of numbers up to 2 digits, reversing a
-word of 3-6 letters, sorting 3-4 numbers below 100, counting a letter in a 6-letter word. The
-difficulty is what the shipped 2.3M-parameter model masters in its CPU training budget. The held-out
-set is fixed (its own seed, the kinds in rotation) and the training stream never yields one of its
-prompts.
+Every problem has one exact answer: addition and subtraction of numbers up to 3 digits (differences may
+be negative), reversing a word of 1-12 letters in any capitalisation, sorting 2-8 numbers up to 999,
+counting a letter in a word (ignoring case). Anything else gets one fixed answer, OUT_OF_SCOPE. Each
+problem is asked in one of several forms (phrasing.py); problem_sets.py draws the held-out sets and the
+training conversations.
 """
 
 from __future__ import annotations
 
 import random
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 
-HELD_OUT_SIZE = 1000
-HELD_OUT_SEED = 20250101
-MAX_DIGITS = 2
-COUNT_WORD_LENGTH = 6
+from moelaunch.launcher.bundled.phrasing import Form, phrase
+
+MAX_DIGITS = 3
+MAX_WORD = 12
+SORT_SIZES = (2, 8)
+MAX_COUNT = 4
 LETTERS = string.ascii_lowercase
-# The instruction words the tokenizer keeps whole; task content is spelled one character a token.
-WORDS = ("What", "is", "Reverse", "Sort", "In", "count")
+OUT_OF_SCOPE = "I can add, subtract, reverse, sort and count letters."
 
 
 @dataclass(frozen=True)
 class Problem:
     kind: str
+    form: str
     prompt: str
     answer: str
 
-    def messages(self, with_answer: bool = False) -> list[dict[str, str]]:
-        """The problem as chat turns (with the assistant's answer when training on it)."""
-        turns = [{"role": "user", "content": self.prompt}]
-        if with_answer:
-            turns.append({"role": "assistant", "content": self.answer})
-        return turns
+    def messages(self) -> list[dict[str, str]]:
+        """The problem asked as a one-turn chat."""
+        return [{"role": "user", "content": self.prompt}]
 
 
 def _number(rng: random.Random) -> int:
@@ -44,84 +42,68 @@ def _number(rng: random.Random) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _add(rng: random.Random) -> Problem:
+def _cased(rng: random.Random, word: str) -> str:
+    """A word as people type it: lower case, Capitalised, UPPER or MiXeD."""
+    style = rng.random()
+    if style < 0.4:
+        return word
+    if style < 0.65:
+        return word.capitalize()
+    if style < 0.8:
+        return word.upper()
+    return "".join(c.upper() if rng.random() < 0.5 else c for c in word)
+
+
+def _letters(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(LETTERS) for _ in range(n))
+
+
+def _add(rng: random.Random, form: Form) -> Problem:
     a, b = _number(rng), _number(rng)
-    return Problem("add", f"What is {a}+{b}?", str(a + b))
+    return Problem("add", form.name, phrase(rng, form, "add", a=a, b=b), str(a + b))
 
 
-def _sub(rng: random.Random) -> Problem:
-    a, b = sorted((_number(rng), _number(rng)), reverse=True)
-    return Problem("sub", f"What is {a}-{b}?", str(a - b))
+def _sub(rng: random.Random, form: Form) -> Problem:
+    a, b = _number(rng), _number(rng)
+    return Problem("sub", form.name, phrase(rng, form, "sub", a=a, b=b), str(a - b))
 
 
-def _word(rng: random.Random, lo: int, hi: int) -> str:
-    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(lo, hi)))
+def _reverse(rng: random.Random, form: Form) -> Problem:
+    word = _cased(rng, _letters(rng, rng.randint(1, MAX_WORD)))
+    return Problem("reverse", form.name, phrase(rng, form, "reverse", w=word), word[::-1])
 
 
-def _reverse(rng: random.Random) -> Problem:
-    word = _word(rng, 3, 6)
-    return Problem("reverse", f"Reverse {word}", word[::-1])
+def _sort(rng: random.Random, form: Form) -> Problem:
+    numbers = [_number(rng) for _ in range(rng.randint(*SORT_SIZES))]
+    answer = " ".join(map(str, sorted(numbers)))
+    return Problem("sort", form.name, phrase(rng, form, "sort", numbers=numbers), answer)
 
 
-def _sort(rng: random.Random) -> Problem:
-    numbers = [rng.randint(0, 99) for _ in range(rng.randint(3, 4))]
-    return Problem("sort", "Sort " + " ".join(map(str, numbers)), " ".join(map(str, sorted(numbers))))
-
-
-def _count(rng: random.Random) -> Problem:
-    # The count is drawn first (0-3, uniform) so that no single answer is a safe guess. The letter comes
-    # last, where the answer is asked for, and the word length is fixed: attention then sees the
-    # matches as a share of a prompt of constant length, which encodes the count directly.
-    letter, n = rng.choice(LETTERS), rng.randint(0, 3)
+def _count(rng: random.Random, form: Form) -> Problem:
+    # The count is drawn first (uniform) so that no single answer is a safe guess; the word may be
+    # capitalised, and counting ignores case.
+    letter, n = rng.choice(LETTERS), rng.randint(0, MAX_COUNT)
     others = LETTERS.replace(letter, "")
-    chars = [letter] * n + [rng.choice(others) for _ in range(COUNT_WORD_LENGTH - n)]
+    chars = [letter] * n + [rng.choice(others) for _ in range(rng.randint(max(n, 1), MAX_WORD) - n)]
     rng.shuffle(chars)
-    return Problem("count", f"In {''.join(chars)}, count {letter}", str(n))
+    word = "".join(chars)
+    if rng.random() < 0.25:
+        word = word.capitalize()
+    return Problem("count", form.name, phrase(rng, form, "count", w=word, c=letter), str(n))
 
 
-KINDS: dict[str, Callable[[random.Random], Problem]] = {
+def _other(rng: random.Random, form: Form) -> Problem:
+    return Problem("other", form.name, phrase(rng, form, "other"), OUT_OF_SCOPE)
+
+
+KINDS: dict[str, Callable[[random.Random, Form], Problem]] = {
     "add": _add,
     "sub": _sub,
     "reverse": _reverse,
     "sort": _sort,
     "count": _count,
+    "other": _other,
 }
-# How often training draws each kind: reversing is learned first, counting last, so counting gets the
-# largest share.
-TRAINING_MIX = {"add": 0.2, "sub": 0.2, "reverse": 0.15, "sort": 0.2, "count": 0.25}
-
-
-@cache
-def held_out() -> tuple[Problem, ...]:
-    """The fixed evaluation set; kinds rotate, so any prefix is balanced across kinds."""
-    rng = random.Random(HELD_OUT_SEED)
-    makers = list(KINDS.values())
-    problems: list[Problem] = []
-    seen: set[str] = set()
-    while len(problems) < HELD_OUT_SIZE:
-        p = makers[len(problems) % len(makers)](rng)
-        if p.prompt not in seen:
-            seen.add(p.prompt)
-            problems.append(p)
-    return tuple(problems)
-
-
-def held_out_sample(n: int) -> tuple[Problem, ...]:
-    if not 0 < n <= HELD_OUT_SIZE:
-        raise ValueError(f"n={n}: the held-out set has {HELD_OUT_SIZE} problems; ask for 1..{HELD_OUT_SIZE}")
-    return held_out()[:n]
-
-
-def training_stream(seed: int) -> Iterator[Problem]:
-    """Endless random problems of every kind, none of them in the held-out set."""
-    rng = random.Random(seed)
-    makers = [KINDS[kind] for kind in TRAINING_MIX]
-    weights = list(TRAINING_MIX.values())
-    excluded = {p.prompt for p in held_out()}
-    while True:
-        p = rng.choices(makers, weights)[0](rng)
-        if p.prompt not in excluded:
-            yield p
 
 
 def is_correct(problem: Problem, output: str) -> bool:

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from moelaunch.launcher.bundled.task_model import DEFAULT_CHECKPOINT
-from moelaunch.launcher.bundled.tasks import HELD_OUT_SIZE
+from moelaunch.launcher.bundled.problem_sets import HELD_OUT_SIZE
+from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.report.measure import ENTRY_PREFIX, Entry, MeasureSpec, Workload
 from moelaunch.launcher.report.methods import DISTILLED, METHODS, Method

@@ -21,8 +21,8 @@ import torch
 from moelaunch import kernels
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.capabilities import is_task_family
-from moelaunch.launcher.bundled.scoring import score_through_engine
-from moelaunch.launcher.bundled.tasks import held_out_sample
+from moelaunch.launcher.bundled.problem_sets import held_out_sample
+from moelaunch.launcher.bundled.scoring import accuracy, ask
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.report.probes import ANSWER_TOKENS, Probes, baseline_probes, compare, probe_prompts
 from moelaunch.model.config import load_args
@@ -116,7 +116,7 @@ def measure(spec: MeasureSpec) -> Entry:
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
         latency = _median_seconds(LATENCY_RUNS, lambda: llm.generate(prompts[0], params))
         batch_s = _median_seconds(THROUGHPUT_RUNS, lambda: llm.generate(prompts, params))
-        accuracy = score_through_engine(llm, held_out_sample(w.n_problems)).accuracy if task_family else None
+        score = accuracy(ask(llm, [(p,) for p in held_out_sample(w.n_problems)])) if task_family else None
         probes_path = Path(spec.probes)
         if spec.baseline:
             baseline_probes(llm, probe_prompts(llm, args.vocab_size, w.input_len, task_family)).save(
@@ -132,7 +132,7 @@ def measure(spec: MeasureSpec) -> Entry:
         peak_memory_bytes=peak,
         weights_bytes=weights,
         kv_cache_bytes_per_token=cache_bytes / (cache.num_blocks * cache.block_size),
-        accuracy=accuracy,
+        accuracy=score,
         mean_abs_logit_diff=logit_diff,
         greedy_agreement=agreement,
         approximation=spec.approximation,

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moelaunch.launcher.api import LLM
-from moelaunch.launcher.bundled.tasks import held_out_sample
+from moelaunch.launcher.bundled.problem_sets import held_out_sample
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 
 ANSWER_TOKENS = 32

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moelaunch.launcher.bundled.train_small", description=__doc__)
     p.add_argument("--out", type=Path, default=defaults.out, help="checkpoint directory to write")
     p.add_argument("--steps", type=int, default=defaults.steps)
-    p.add_argument("--batch", type=int, default=defaults.batch, help="problems per step")
+    p.add_argument("--batch", type=int, default=defaults.batch, help="rows of packed conversations per step")
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--tiny", action="store_true", help="a toy-sized model, for a smoke run")

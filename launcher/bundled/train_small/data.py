@@ -1,4 +1,9 @@
-"""Training batches: chat-formatted problems as padded token ids and the masks of what is scored."""
+"""Training batches: chat-template-rendered conversations packed into rows, and the masks of what is scored.
+
+Conversations are packed back to back (each from its own bos) into rows of `width` tokens: no compute
+is spent on padding, and every turn is learned after arbitrary earlier text, as a chat's later turns
+are asked.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moelaunch.launcher.bundled.tasks import Problem
-from moelaunch.launcher.bundled.train_small.tokenizer import PAD_ID
+from moelaunch.launcher.bundled.problem_sets import Conversation, messages
+from moelaunch.launcher.bundled.train_small.tokenizer import ASSISTANT, PAD_ID
 from moelaunch.model.tokenizer import Tokenizer
 
 
@@ -16,32 +21,53 @@ from moelaunch.model.tokenizer import Tokenizer
 class Batch:
     ids: torch.Tensor  # [B, T], right-padded
     valid: torch.Tensor  # [B, T] bool: real tokens (not padding)
-    answer: torch.Tensor  # [B, T] bool: the assistant's answer and its eos, the tokens the loss scores
-    kinds: list[str]
+    answer: torch.Tensor  # [B, T] bool: the assistant's answers and their eos, the tokens the loss scores
+    segment: torch.Tensor  # [B, T] long: which answer (an index into kinds) a token belongs to, else -1
+    kinds: list[str]  # the kind of each answer
 
 
-def encode(tok: Tokenizer, problem: Problem) -> tuple[list[int], int]:
-    """Token ids of the whole exchange and where the answer starts, both from the chat template."""
-    prompt = tok.encode_chat(problem.messages())
-    full = tok.encode_chat(problem.messages(with_answer=True), add_generation_prompt=False)
+def encode(tok: Tokenizer, conversation: Conversation) -> tuple[list[int], list[int]]:
+    """Token ids of the whole chat and, per token, the number of the turn whose answer (reply and eos)
+    it belongs to, -1 for the rest."""
+    full = tok.encode_chat(messages(conversation), add_generation_prompt=False)
+    # The last question as the chat would ask it must be a prefix: answers then are what follows it.
+    prompt = tok.encode_chat(messages(conversation, [p.answer for p in conversation[:-1]]))
     if full[: len(prompt)] != prompt:
-        raise ValueError(f"the chat template renders the prompt of {problem} differently with its answer")
-    return full, len(prompt)
+        raise ValueError(f"the chat template renders {conversation} differently with its last answer")
+    assistant = tok.encode(ASSISTANT)[0]
+    turn_of, turn, inside = [], -1, False
+    for t in full:
+        turn_of.append(turn if inside else -1)
+        if t == assistant:
+            inside, turn = True, turn + 1
+        elif t == tok.eos_id:
+            inside = False
+    return full, turn_of
 
 
-def make_batch(tok: Tokenizer, problems: list[Problem]) -> Batch:
-    encoded = [encode(tok, p) for p in problems]
-    width = max(len(ids) for ids, _ in encoded)
-    ids = torch.full((len(encoded), width), PAD_ID, dtype=torch.long)
-    for row, (seq, _) in enumerate(encoded):
-        ids[row, : len(seq)] = torch.tensor(seq)
-    lengths = torch.tensor([len(seq) for seq, _ in encoded])
-    starts = torch.tensor([start for _, start in encoded])
-    pos = torch.arange(width)[None, :]
-    valid = pos < lengths[:, None]
-    return Batch(ids, valid, valid & (pos >= starts[:, None]), [p.kind for p in problems])
+def packed_batches(tok: Tokenizer, stream: Iterator[Conversation], rows: int, width: int) -> Iterator[Batch]:
+    def encoded() -> Iterator[tuple[Conversation, list[int], list[int]]]:
+        for conversation in stream:
+            ids, turn_of = encode(tok, conversation)
+            if len(ids) > width:
+                raise ValueError(f"a conversation of {len(ids)} tokens does not fit a row of {width}")
+            yield conversation, ids, turn_of
 
-
-def batches(tok: Tokenizer, stream: Iterator[Problem], size: int) -> Iterator[Batch]:
+    source = encoded()
+    pending = next(source)
     while True:
-        yield make_batch(tok, [next(stream) for _ in range(size)])
+        ids = torch.full((rows, width), PAD_ID, dtype=torch.long)
+        segment = torch.full((rows, width), -1, dtype=torch.long)
+        kinds: list[str] = []
+        for row in range(rows):
+            used = 0
+            while used + len(pending[1]) <= width:
+                conversation, seq, turn_of = pending
+                ids[row, used : used + len(seq)] = torch.tensor(seq)
+                segment[row, used : used + len(seq)] = torch.tensor(
+                    [-1 if t < 0 else len(kinds) + t for t in turn_of]
+                )
+                kinds += [p.kind for p in conversation]
+                used += len(seq)
+                pending = next(source)
+        yield Batch(ids, ids != PAD_ID, segment >= 0, segment, kinds)

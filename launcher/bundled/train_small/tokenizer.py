@@ -1,19 +1,17 @@
 """The task family's tokenizer: DeepSeek-V3's special tokens and chat template over a tiny vocabulary.
 
-Instruction words are whole tokens; everything else (digits, letters, punctuation) is one character a
-token, which is what lets a small model do digit-wise arithmetic and letter-wise word games.
+One printable ASCII character a token (anything else is <unk>): digit-wise arithmetic and letter-wise
+word games need single characters, and a word typed in any capitalisation or with stray spaces is
+still made of known tokens.
 """
 
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-from moelaunch.launcher.bundled.tasks import WORDS
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -21,7 +19,7 @@ UNK = "<unk>"
 # Ids 0 and 1 are bos and eos, as in DeepSeek-V3.
 SPECIAL = (BOS, EOS, PAD, USER, ASSISTANT)
 BOS_ID, EOS_ID, PAD_ID = (SPECIAL.index(t) for t in (BOS, EOS, PAD))
-CHARS = " " + string.digits + string.ascii_lowercase + string.ascii_uppercase + "+-*/=?.,:;!'\"()"
+CHARS = tuple(chr(c) for c in range(32, 127))
 
 # DeepSeek-V3's template shape: bos, system text, then <｜User｜>/<｜Assistant｜> turns, each
 # assistant turn closed by eos.
@@ -39,11 +37,9 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> Tokenizer:
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL, UNK, *WORDS, *CHARS))}
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL, UNK, *CHARS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    # A word token only where the whole word stands alone, so "this" stays t-h-i-s.
-    words = "|".join(WORDS)
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(rf"\b(?:{words})\b|."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL))
     return tok

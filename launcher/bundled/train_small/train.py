@@ -1,12 +1,14 @@
-"""Train the small DeepSeek-V3 on the task family: next-token loss on the answers, the MTP layer's
-next-next-token loss alongside, and DeepSeek-V3's auxiliary-loss-free expert balancing."""
+"""Train the small DeepSeek-V3 on the task family's conversations: next-token loss on every answer, the
+MTP layer's next-next-token loss alongside, and DeepSeek-V3's auxiliary-loss-free expert balancing."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -14,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelaunch.launcher.bundled.expert_load import ExpertLoad
-from moelaunch.launcher.bundled.tasks import training_stream
-from moelaunch.launcher.bundled.train_small.data import Batch, batches
+from moelaunch.launcher.bundled.problem_sets import training_conversations
+from moelaunch.launcher.bundled.train_small.data import Batch, packed_batches
 from moelaunch.launcher.bundled.train_small.export import save_checkpoint
 from moelaunch.launcher.bundled.train_small.model_config import hf_config
 from moelaunch.launcher.bundled.train_small.tokenizer import build_tokenizer, tokenizer_config
@@ -30,16 +32,18 @@ from moelaunch.model.transformer import Transformer
 @dataclass
 class TrainConfig:
     out: Path
-    steps: int = 3000
-    batch: int = 128
+    steps: int = 1300
+    batch: int = 16  # rows of packed conversations per step
+    width: int = 512  # tokens per row: the longest six-turn conversation fits
+    single_turn_steps: int = 400  # the first steps: single questions in rows a quarter as wide
     lr: float = 2e-3
     warmup: int = 100
     mtp_weight: float = 0.3
-    bias_step: float = 1e-3  # gamma of the balancing update
+    bias_step: float = 2e-3  # gamma of the balancing update
     seed: int = 0
     tiny: bool = False
-    log_every: int = 100
-    save_every: int = 1000  # also write the checkpoint mid-run, to inspect a long run early
+    log_every: int = 50
+    save_every: int = 200  # also write the checkpoint mid-run, to inspect a long run early
 
 
 def init_weights(model: Transformer, std: float = 0.02) -> None:
@@ -63,7 +67,7 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
 
 
 def losses(model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(main loss, MTP loss, [B] whether the main model predicts the row's whole answer)."""
+    """(main loss, MTP loss, per answer whether the main model predicts all of it)."""
     hidden = model.hidden_states(batch.ids)
     logits = model.lm_head(hidden).float()
     target = batch.answer[:, 1:]
@@ -74,7 +78,10 @@ def losses(model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     mtp_logits = model.mtp_logits(hidden[:, :-1], batch.ids[:, 1:])[:, :-1]
     mtp_target = batch.answer[:, 2:] & batch.answer[:, 1:-1]
     mtp = F.cross_entropy(mtp_logits[mtp_target], batch.ids[:, 2:][mtp_target])
-    return main, mtp, right.all(dim=1)
+    wrong = torch.zeros(len(batch.kinds)).index_add_(
+        0, batch.segment[:, 1:][target], (~right[target]).float()
+    )
+    return main, mtp, wrong == 0
 
 
 @torch.no_grad()
@@ -93,6 +100,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
+def curriculum(tok: Tokenizer, cfg: TrainConfig) -> Iterator[Batch]:
+    """Single questions in short rows first, then conversations in full rows, the same tokens a step.
+
+    With few tokens before each answer, attention finds the question (and the digits and letters in
+    it) in far fewer steps than amid the up to 500 tokens of a packed row of conversations.
+    """
+    short = training_conversations(cfg.seed, max_turns=1)
+    yield from islice(packed_batches(tok, short, cfg.batch * 4, cfg.width // 4), cfg.single_turn_steps)
+    yield from packed_batches(tok, training_conversations(cfg.seed + 1), cfg.batch, cfg.width)
+
+
 def train(cfg: TrainConfig) -> Transformer:
     torch.manual_seed(cfg.seed)
     hf_tok = build_tokenizer()
@@ -101,9 +119,12 @@ def train(cfg: TrainConfig) -> Transformer:
     model = Transformer(args_from_hf_config(config), with_mtp=True)
     init_weights(model)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters; {cfg.steps} steps of {cfg.batch} problems", flush=True)
+    print(
+        f"model: {n_params / 1e6:.2f}M parameters; {cfg.steps} steps of {cfg.batch}x{cfg.width} tokens",
+        flush=True,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    data = batches(tok, training_stream(cfg.seed), cfg.batch)
+    data = curriculum(tok, cfg)
     load = ExpertLoad(model)
     start = time.time()
     solved: Counter[str] = Counter()
