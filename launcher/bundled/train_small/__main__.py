@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="a toy-sized model, for a smoke run")
     # One thread: results depend on the thread count, and on a shared 2-core machine a second thread
     # spends its time waiting at barriers.
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (fixed for reproducibility)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     train(TrainConfig(out=a.out, steps=a.steps, batch=a.batch, lr=a.lr, seed=a.seed, tiny=a.tiny))

@@ -32,10 +32,10 @@ from moelaunch.model.transformer import Transformer
 @dataclass
 class TrainConfig:
     out: Path
-    steps: int = 1300
-    batch: int = 16  # rows of packed conversations per step
+    steps: int = 4700
+    batch: int = 8  # rows of packed conversations per step
     width: int = 512  # tokens per row: the longest six-turn conversation fits
-    single_turn_steps: int = 400  # the first steps: single questions in rows a quarter as wide
+    single_turn_steps: int = 3000  # the first steps: single questions in rows a quarter as wide
     lr: float = 2e-3
     warmup: int = 100
     mtp_weight: float = 0.3
@@ -43,7 +43,7 @@ class TrainConfig:
     seed: int = 0
     tiny: bool = False
     log_every: int = 50
-    save_every: int = 200  # also write the checkpoint mid-run, to inspect a long run early
+    save_every: int = 500  # also write the checkpoint mid-run, to inspect a long run early
 
 
 def init_weights(model: Transformer, std: float = 0.02) -> None:
