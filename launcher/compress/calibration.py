@@ -11,7 +11,7 @@ import itertools
 import json
 from pathlib import Path
 
-from moelaunch.launcher.bundled.tasks import training_stream
+from moelaunch.launcher.bundled.problem_sets import messages, training_conversations
 from moelaunch.model.tokenizer import Message, Tokenizer
 
 DEFAULT_PROMPTS = 256
@@ -46,7 +46,7 @@ def read_conversations(file: str | Path) -> list[list[Message]]:
 
 def generated_conversations(n: int, seed: int) -> list[list[Message]]:
     """n training problems of the bundled task family with their answers (never held-out ones)."""
-    return [p.messages(with_answer=True) for p in itertools.islice(training_stream(seed), n)]
+    return [messages(c) for c in itertools.islice(training_conversations(seed, max_turns=1), n)]
 
 
 def encode_conversation(tok: Tokenizer, messages: list[Message]) -> list[int]:

@@ -1,22 +1,25 @@
 """What a distillation step trains on: a batch that depends only on (seed, step), so a resumed run
 sees exactly the batches an uninterrupted one would.
 
-From the bundled task generator, each problem comes with its answer and only the answer's tokens are
-scored (what the model is asked to produce); from a prompt file, every token is scored.
+From the bundled task generator, `batch` rows of questions packed with their answers, and only the
+answers' tokens are scored (what the model is asked to produce); from a prompt file, `batch` prompts,
+every token scored.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from moelaunch.launcher.bundled.tasks import training_stream
-from moelaunch.launcher.bundled.train_small.data import make_batch
+from moelaunch.launcher.bundled.problem_sets import training_conversations
+from moelaunch.launcher.bundled.train_small.data import packed_batches
 from moelaunch.launcher.compress.calibration import encode_conversation, read_conversations
 from moelaunch.model.tokenizer import Tokenizer
+
+# Row width for generated questions: a handful of them packed into each row.
+GENERATED_ROW_TOKENS = 128
 
 
 @dataclass
@@ -42,8 +45,8 @@ class DistillData:
 
     def batch_at(self, step: int) -> DistillBatch:
         if self.sequences is None:
-            problems = list(itertools.islice(training_stream(_step_seed(self.seed, step)), self.batch))
-            b = make_batch(self.tok, problems)
+            questions = training_conversations(_step_seed(self.seed, step), max_turns=1)
+            b = next(packed_batches(self.tok, questions, self.batch, GENERATED_ROW_TOKENS))
             return DistillBatch(b.ids, b.valid, b.answer)
         gen = torch.Generator().manual_seed(_step_seed(self.seed, step))
         picked = [self.sequences[i] for i in torch.randint(len(self.sequences), (self.batch,), generator=gen)]
