@@ -22,7 +22,7 @@ from moelaunch import kernels
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.capabilities import is_task_family
 from moelaunch.launcher.bundled.problem_sets import held_out_sample
-from moelaunch.launcher.bundled.scoring import accuracy, ask
+from moelaunch.launcher.bundled.scoring import GREEDY, accuracy, ask
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.report.probes import ANSWER_TOKENS, Probes, baseline_probes, compare, probe_prompts
 from moelaunch.model.config import load_args
@@ -30,6 +30,8 @@ from moelaunch.model.config import load_args
 ENTRY_PREFIX = "report-entry: "
 LATENCY_RUNS = 3
 THROUGHPUT_RUNS = 2
+# Room for a task-family question (the held-out ones are at most 52 tokens) and its longest answer.
+TASK_FAMILY_MAX_LEN = 64 + GREEDY.max_tokens
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ def measure(spec: MeasureSpec) -> Entry:
     args = load_args(spec.model)
     task_family = is_task_family(spec.model)
     max_len = max(w.input_len + w.output_len, w.input_len + ANSWER_TOKENS) + 1
+    if task_family:
+        max_len = max(max_len, TASK_FAMILY_MAX_LEN)
     with LLM(spec.model, max_model_len=max_len, kv_cache_memory=w.kv_cache_memory, **spec.options) as llm:
         model, cache = llm.engine.model, llm.engine.cache
         weights = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
