@@ -170,17 +170,19 @@ def test_batch_logs_throughput_and_cache_use(checkpoint, tmp_path, capsys, monke
 
 
 @pytest.mark.slow
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_a_two_rank_batch_is_one_line_and_the_rerun_finishes(checkpoint, tmp_path):
-    # Lengths differ so that results arrive one by one: Ctrl-C lands while the longest are still running
-    # (equal lengths all finish in the same step, and the job could end before the signal arrives).
     lines = [
-        {"id": f"r{i}", "prompt": f"request {i}", "max_tokens": 8 + 24 * i, "ignore_eos": True}
-        for i in range(16)
+        {"id": f"r{i}", "prompt": f"request {i}", "max_tokens": 24, "ignore_eos": True} for i in range(16)
     ]
     inp, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     args = [*batch_args(checkpoint, inp, out), "--tp", "2"]
     # A session of its own: SIGINT to the whole group, as Ctrl-C in a terminal sends it to every rank.
-    proc = start_batch(args, start_new_session=True)
+    # SIGINT's default action restored: a test run started in the background inherits it ignored.
+    proc = start_batch(args, start_new_session=True, preexec_fn=_sigint_default)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "the job ended before Ctrl-C"
