@@ -18,7 +18,7 @@ from moelaunch.kernels import dequantize_latent, quantize_latent
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as ref
 from moelaunch.launcher import LLM, SamplingParams
-from moelaunch.launcher.bundled.problem_sets import held_out_sample
+from moelaunch.launcher.bundled.problem_sets import held_out_sample, messages
 from moelaunch.launcher.bundled.tasks import is_correct
 from moelaunch.model import PagedLatentCache, SparseAttention, load_args, load_model
 from moelaunch.model.config import ModelArgs
@@ -225,7 +225,7 @@ def _indexed(outputs: list[list[int]]) -> list[tuple[list[int], int]]:
 
 def test_fp8_cache_keeps_the_bundled_models_answers():
     problems = held_out_sample(200)
-    conversations = [p.messages() for p in problems]
+    conversations = [messages((p,)) for p in problems]
     params = SamplingParams(temperature=0, max_tokens=64)
     results = {}
     for dtype in ("auto", "fp8"):

@@ -31,10 +31,6 @@ class Problem:
     prompt: str
     answer: str
 
-    def messages(self) -> list[dict[str, str]]:
-        """The problem asked as a one-turn chat."""
-        return [{"role": "user", "content": self.prompt}]
-
 
 def _number(rng: random.Random) -> int:
     # Draw the digit count first so short operands are as common as long ones.

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from moelaunch.launcher.api import LLM
-from moelaunch.launcher.bundled.problem_sets import held_out_sample
+from moelaunch.launcher.bundled.problem_sets import held_out_sample, messages
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 
 ANSWER_TOKENS = 32
@@ -49,7 +49,7 @@ def probe_prompts(llm: LLM, vocab_size: int, long_len: int, task_family: bool) -
     prompts = [torch.randint(2, vocab_size, (long_len,), generator=g).tolist() for _ in range(LONG_PROBES)]
     if task_family:
         problems = held_out_sample(1000)[-TASK_PROBES:]
-        prompts += [llm.tokenizer.encode_chat(p.messages()) for p in problems]
+        prompts += [llm.tokenizer.encode_chat(messages((p,))) for p in problems]
     return prompts
 
 
