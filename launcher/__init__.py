@@ -2,5 +2,6 @@
 
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.engine.sampling_params import SamplingParams
+from moelaunch.model.reasoning import split_reasoning
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "split_reasoning"]

@@ -12,6 +12,8 @@ from tiny_models import add_byte_tokenizer, make_hf_model
 from moelaunch.launcher.api import LLM
 from moelaunch.launcher.bundled.capabilities import LINE
 from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, GREEDY
+from moelaunch.launcher.bundled.tasks import OUT_OF_SCOPE
+from moelaunch.model.reasoning import split_reasoning
 
 # The questions of the issue that asked for this, typed into one conversation.
 TYPED = (
@@ -23,6 +25,7 @@ TYPED = (
     "In banana, count a",
     "Who are you?",
 )
+RIGHT = ("579", "keeSpeeD", "1 3 9 50 77", "46", "42", "3", OUT_OF_SCOPE)
 
 
 def launch(*args: str, stdin: str) -> subprocess.CompletedProcess:
@@ -43,8 +46,11 @@ def test_bundled_chat_says_what_it_can_do_and_answers_every_turn_in_context():
             messages.append({"role": "user", "content": q})
             text = llm.chat([messages], GREEDY)[0].outputs[0].text
             messages.append({"role": "assistant", "content": text})
-            expected.append(text.strip())
+            expected.append(
+                split_reasoning(text)[1].strip()
+            )  # the chat prints the answer, not the think section
     assert replies == expected
+    assert replies == list(RIGHT)  # the shipped model gets every one of them right
 
 
 def test_another_checkpoint_gets_no_such_line(tmp_path):

@@ -27,8 +27,9 @@ from moelaunch.model import load_model
 from moelaunch.model.tokenizer import Tokenizer
 
 CKPT = DEFAULT_CHECKPOINT
-# Exact match the shipped checkpoint must keep through the engine (it scores 0.655 and 0.678 here).
-SINGLE_FLOOR, LATER_FLOOR = 0.6, 0.6
+# Exact match the shipped checkpoint must keep through the engine (issue 21's targets: 0.97 single,
+# 0.95 on turns 2-6; see the test for what it scores on these samples).
+SINGLE_FLOOR, LATER_FLOOR = 0.97, 0.95
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +79,9 @@ def test_held_out_sets_are_fixed_and_disjoint_from_training():
 
 def test_accuracy_through_the_engine():
     """The shipped model still answers through the engine, MTP on: 200 single questions, and turns 2-6
-    of conversations asked after the model's own replies. The floors sit a little under what the shipped
-    checkpoint scores (docs/benchmarks.md has the full held-out figures; issue 21's targets are higher);
-    a broken loader, kernel, cache, history or speculative path scores far lower."""
+    of conversations asked after the model's own replies. The floors are issue 21's targets (the full
+    held-out figures are in docs/benchmarks.md); a broken loader, kernel, cache, history, think-section
+    or speculative path scores far lower."""
     llm = open_engine(CKPT)
     try:
         single = ask(llm, [(p,) for p in held_out_sample(200)])

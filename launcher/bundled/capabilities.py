@@ -13,9 +13,9 @@ MARKER = "moelaunch_bundled_task_family"
 LINE = (
     "The bundled model (a 4M-parameter DeepSeek-V3 in miniature) adds and subtracts numbers up to 999, "
     "reverses a word of up to 12 letters, sorts 2-8 numbers up to 999 and counts a letter in a word; "
-    "anything else gets one fixed reply. Reversing and sorting are mostly right, sums, differences and "
-    "counts less than half the time (docs/benchmarks.md). Try 'Reverse DeepSeek', 'Sort 9 3 77 1 50', "
-    "'What is 123+456?' or 'How many a in banana?'."
+    "anything else gets one fixed reply. It gets 98% of such questions right (sorting 93%), working sums, "
+    "differences and counts out in a hidden think section first (docs/benchmarks.md). Try "
+    "'What is 123+456?', 'Reverse DeepSeek', 'Sort 9 3 77 1 50' or 'How many a in banana?'."
 )
 
 

@@ -19,9 +19,11 @@ from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.config import load_args
 from moelaunch.model.loading import has_mtp_weights
+from moelaunch.model.reasoning import split_reasoning
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "small"
-# The longest answer is the out-of-scope sentence (53 tokens) plus eos; the rest is headroom.
+# The longest reply is the out-of-scope sentence (53 tokens) plus eos; a negative difference's think
+# section and answer take 33; the rest is headroom.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 KV_CACHE_BYTES = 256 * 2**20
 
@@ -30,7 +32,8 @@ KV_CACHE_BYTES = 256 * 2**20
 class Answer:
     problem: Problem
     turn: int  # position in its conversation, from 1
-    output: str
+    output: str  # the answer, after the think section
+    reasoning: str | None  # the think section, None when the reply had none
 
     @property
     def correct(self) -> bool:
@@ -51,9 +54,9 @@ def ask(llm: LLM, conversations: Sequence[Conversation]) -> list[Answer]:
         active = [i for i, conv in enumerate(conversations) if len(conv) > turn]
         outputs = llm.chat([messages(conversations[i], replies[i]) for i in active], GREEDY)
         for i, out in zip(active, outputs, strict=True):
-            text = out.outputs[0].text
-            replies[i].append(text)
-            answers.append(Answer(conversations[i][turn], turn + 1, text))
+            reasoning, answer = split_reasoning(out.outputs[0].text)
+            replies[i].append(answer)  # as a chat or an API client sends the history back
+            answers.append(Answer(conversations[i][turn], turn + 1, answer, reasoning))
     return answers
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moelaunch.launcher.bundled.phrasing import Form, phrase
+from moelaunch.model.reasoning import with_reasoning
 
 MAX_DIGITS = 3
 MAX_WORD = 12
@@ -30,6 +31,14 @@ class Problem:
     form: str
     prompt: str
     answer: str
+    # Worked steps the model writes in a hidden think section before the answer (empty: it answers
+    # at once). See the reasoning functions below for why each skill's steps have the shape they do.
+    reasoning: str = ""
+
+    @property
+    def reply(self) -> str:
+        """The whole reply the model is trained to write: think section, then the answer."""
+        return with_reasoning(self.reasoning, self.answer)
 
 
 def _number(rng: random.Random) -> int:
@@ -54,14 +63,48 @@ def _letters(rng: random.Random, n: int) -> str:
     return "".join(rng.choice(LETTERS) for _ in range(n))
 
 
+def _digits_lsb_first(n: int, width: int) -> str:
+    return f"{n:0{width}d}"[::-1]
+
+
+def addition_steps(a: int, b: int) -> str:
+    """`123+456` as `321+654=9750`: both operands zero-padded and least significant digit first, then
+    the 4-digit sum the same way. Each sum digit then depends on two digits at fixed distances and the
+    carry just written, which a small transformer learns from far fewer examples than carries that run
+    against the writing order; the answer is the sum read backwards without its leading zeros."""
+    w = MAX_DIGITS
+    return f"{_digits_lsb_first(a, w)}+{_digits_lsb_first(b, w)}={_digits_lsb_first(a + b, w + 1)}"
+
+
+def subtraction_steps(a: int, b: int) -> str:
+    """`50-8` as `050-800=2400`, digits least significant first as in addition_steps. A negative
+    difference shows as a last digit 9 (the borrow out of the hundreds, the difference mod 10^4):
+    the steps then subtract the other way round (`8-50`: `800-050=8599 050-800=2400`) and the answer
+    is that difference with a minus sign."""
+    w = MAX_DIGITS
+    difference = _digits_lsb_first((a - b) % 10 ** (w + 1), w + 1)
+    first = f"{_digits_lsb_first(a, w)}-{_digits_lsb_first(b, w)}={difference}"
+    return first if a >= b else f"{first} {subtraction_steps(b, a)}"
+
+
+def counting_steps(word: str, letter: str) -> str:
+    """`banana`, `a` as `b0a1n1a2n2a3`: each letter followed by the count so far, so every step is
+    one comparison and at most one increment instead of a count over the whole word at once."""
+    steps, n = [], 0
+    for ch in word:
+        n += ch.lower() == letter
+        steps.append(f"{ch}{n}")
+    return "".join(steps)
+
+
 def _add(rng: random.Random, form: Form) -> Problem:
     a, b = _number(rng), _number(rng)
-    return Problem("add", form.name, phrase(rng, form, "add", a=a, b=b), str(a + b))
+    return Problem("add", form.name, phrase(rng, form, "add", a=a, b=b), str(a + b), addition_steps(a, b))
 
 
 def _sub(rng: random.Random, form: Form) -> Problem:
     a, b = _number(rng), _number(rng)
-    return Problem("sub", form.name, phrase(rng, form, "sub", a=a, b=b), str(a - b))
+    return Problem("sub", form.name, phrase(rng, form, "sub", a=a, b=b), str(a - b), subtraction_steps(a, b))
 
 
 def _reverse(rng: random.Random, form: Form) -> Problem:
@@ -85,7 +128,8 @@ def _count(rng: random.Random, form: Form) -> Problem:
     word = "".join(chars)
     if rng.random() < 0.25:
         word = word.capitalize()
-    return Problem("count", form.name, phrase(rng, form, "count", w=word, c=letter), str(n))
+    prompt = phrase(rng, form, "count", w=word, c=letter)
+    return Problem("count", form.name, prompt, str(n), counting_steps(word, letter))
 
 
 def _other(rng: random.Random, form: Form) -> Problem:

@@ -4,7 +4,9 @@ The held-out problems go through the engine, the path of `launch` and the API (g
 decoding when the checkpoint has an MTP layer), all in one batch per turn. Reports exact match per skill,
 per form and per turn position (`--multi-turn`: conversations of 2-6 turns, each turn asked after the
 model's own earlier replies), expert load balance (max/mean tokens per expert, per MoE layer, over every
-token the engine ran) and MTP draft acceptance. The last line is `accuracy=<fraction> n=<answers>`.
+token the engine ran) and MTP draft acceptance. Arithmetic and counting are answered after a think
+section of worked steps; the report says how many of those steps were right. The last line is
+`accuracy=<fraction> n=<answers>`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,20 @@ def report(answers: list[Answer], multi_turn: bool) -> None:
         _print_table("per turn", tally(sorted(answers, key=lambda a: a.turn), lambda a: a.turn))
         later = [a for a in answers if a.turn > 1]
         print(f"turns 2-6: {accuracy(later):.4f} ({sum(a.correct for a in later)}/{len(later)})")
+    _print_reasoning(answers)
+
+
+def _print_reasoning(answers: list[Answer]) -> None:
+    """Where the errors of skills answered after worked steps come from: the steps or the last read."""
+    worked = [a for a in answers if a.problem.reasoning]
+    if not worked:
+        return
+    steps_right = [a for a in worked if a.reasoning == a.problem.reasoning]
+    misread = sum(not a.correct for a in steps_right)
+    print(
+        f"think sections: {len(steps_right)}/{len(worked)} with the right steps; "
+        f"{misread} of those answered wrong"
+    )
 
 
 def _layer(gate_name: str, n_layers: int) -> str:

@@ -11,7 +11,8 @@ import itertools
 import json
 from pathlib import Path
 
-from moelaunch.launcher.bundled.problem_sets import messages, training_conversations
+from moelaunch.launcher.bundled.problem_sets import training_conversations
+from moelaunch.launcher.bundled.train_small.data import encode
 from moelaunch.model.tokenizer import Message, Tokenizer
 
 DEFAULT_PROMPTS = 256
@@ -44,9 +45,10 @@ def read_conversations(file: str | Path) -> list[list[Message]]:
     return conversations
 
 
-def generated_conversations(n: int, seed: int) -> list[list[Message]]:
-    """n training problems of the bundled task family with their answers (never held-out ones)."""
-    return [messages(c) for c in itertools.islice(training_conversations(seed, max_turns=1), n)]
+def generated_sequences(tok: Tokenizer, n: int, seed: int) -> list[list[int]]:
+    """n training problems of the bundled task family with their whole replies, think sections
+    included, as the model writes them (never held-out ones)."""
+    return [encode(tok, c)[0] for c in itertools.islice(training_conversations(seed, max_turns=1), n)]
 
 
 def encode_conversation(tok: Tokenizer, messages: list[Message]) -> list[int]:
@@ -59,5 +61,6 @@ def calibration_sequences(
 ) -> list[list[int]]:
     """Token ids of the calibration prompts: the file's, or n from the bundled task generator."""
     tok = Tokenizer.from_dir(model_dir)
-    conversations = read_conversations(file) if file is not None else generated_conversations(n, seed)
-    return [encode_conversation(tok, c) for c in conversations]
+    if file is None:
+        return generated_sequences(tok, n, seed)
+    return [encode_conversation(tok, c) for c in read_conversations(file)]

@@ -5,7 +5,8 @@ sampling fields (SAMPLING_FIELDS) that override the job's defaults. A line that 
 no id, a repeated id, an unknown or invalid field, a prompt too long for the model) is reported with
 its line number and skipped; the rest still runs.
 
-Output lines are `{"id", "text", "token_ids", "finish_reason", "usage"}` in completion order, each
+Output lines are `{"id", "text", "token_ids", "finish_reason", "usage"}` (and "reasoning_content" when
+a chat reply thought first: "text" is then its answer) in completion order, each
 step's finished requests written, flushed and fsync'ed together, so a killed job loses only requests
 still in flight. Rerunning the same command skips the ids already in the output (resume); a torn
 last line from a kill mid-write is cut off first, and its request runs again.
@@ -32,6 +33,7 @@ from moelaunch.launcher.engine.outputs import RequestOutput
 from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.drive import Request, drive
 from moelaunch.launcher.jobs.progress_log import ProgressLog
+from moelaunch.model.reasoning import split_reasoning
 
 # Per-line sampling fields and the JSON types each accepts. `n` is absent on purpose: an output line
 # holds one completion (repeat the line with other ids for more samples).
@@ -198,13 +200,18 @@ def _result_id(raw: bytes) -> str | None:
 
 def result_record(job: BatchRequest, out: RequestOutput) -> dict[str, Any]:
     c = out.outputs[0]
+    # A chat reply's think section is returned apart, as the API's reasoning_content; a raw prompt's
+    # continuation is returned as generated.
+    reasoning, text = split_reasoning(c.text) if job.messages is not None else (None, c.text)
     record: dict[str, Any] = {
         "id": job.id,
-        "text": c.text,
+        "text": text,
         "token_ids": c.token_ids,
         "finish_reason": c.finish_reason,
         "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids)},
     }
+    if reasoning is not None:
+        record["reasoning_content"] = reasoning
     if job.params.logprobs is not None:
         record["logprobs"] = c.token_logprobs
         # JSON object keys are strings: top log-probabilities as [[token_id, logprob], ...] per token.

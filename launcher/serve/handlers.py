@@ -26,7 +26,7 @@ from moelaunch.launcher.serve import responses
 from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
 from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest
-from moelaunch.launcher.serve.text import IncrementalText
+from moelaunch.launcher.serve.text import IncrementalText, ReasoningSplit, chat_message
 from moelaunch.model.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -259,8 +259,9 @@ def _choice(
     start: int,
     end: int,
     text_offset: int,
-    delta=False,
+    delta: ReasoningSplit | None = None,
 ) -> dict[str, Any]:
+    """One choice of a response, or of a stream chunk when `delta` (the choice's split so far) is given."""
     logprobs = None
     if call.logprobs is not None and end > start:
         if call.kind == responses.CHAT:
@@ -268,9 +269,8 @@ def _choice(
         else:
             logprobs = responses.completion_logprobs(state.tokenizer, c, start, end, text_offset)
     if call.kind == responses.CHAT:
-        content = {"content": text} if delta else {"role": "assistant", "content": text}
-        key = "delta" if delta else "message"
-        return {"index": index, key: content, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        key, fields = ("message", chat_message(text)) if delta is None else ("delta", delta.delta(text))
+        return {"index": index, key: fields, "logprobs": logprobs, "finish_reason": c.finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
@@ -280,6 +280,7 @@ async def _events(
     kind = "chat.completion.chunk" if call.kind == responses.CHAT else responses.COMPLETION
     head = responses.envelope(kind, call.response_id, state.model_name)
     texts: dict[int, IncrementalText] = {}
+    splits: dict[int, ReasoningSplit] = {}
     tokens_sent: dict[int, int] = {}
     done: dict[str, Progress] = {}
     try:
@@ -306,9 +307,10 @@ async def _events(
                 # A chunk for every step that brought tokens, even when their text is held back or empty
                 # (a partial character): clients time tokens by chunks.
                 if delta or c.finish_reason or end > start:
-                    chunk_choices.append(
-                        _choice(state, call, index, c, delta, start, end, offset, delta=True)
+                    split = (
+                        splits.setdefault(index, ReasoningSplit()) if call.kind == responses.CHAT else None
                     )
+                    chunk_choices.append(_choice(state, call, index, c, delta, start, end, offset, split))
             if chunk_choices:
                 yield _sse({**head, "choices": chunk_choices})
         if include_usage:

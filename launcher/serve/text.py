@@ -4,11 +4,13 @@ Each step the whole output is decoded again (a byte-level token can end inside a
 text that can no longer change is sent: a trailing partial character waits for its next byte, and the
 last (longest stop string - 1) characters wait until no stop string can still begin there, since the
 engine cuts the output at a stop string. The finished text is the engine's own, stop strings cut.
+A chat reply's think section goes out apart from its answer (ReasoningSplit, chat_message).
 """
 
 from __future__ import annotations
 
 from moelaunch.launcher.serve.engine_loop import ChoiceProgress
+from moelaunch.model.reasoning import split_reasoning
 from moelaunch.model.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
@@ -36,3 +38,32 @@ class IncrementalText:
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """One token as text, special tokens included (for log-probabilities)."""
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class ReasoningSplit:
+    """A chat choice's streamed text as message fields: the think section as `reasoning_content`
+    (DeepSeek's API field), the rest as `content`. It relies on the think tags being single tokens,
+    as in DeepSeek-R1's vocabulary, so a streamed prefix never ends inside a tag."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def delta(self, new_text: str) -> dict[str, str]:
+        before_reasoning, before_answer = split_reasoning(self.text)
+        self.text += new_text
+        reasoning, answer = split_reasoning(self.text)
+        fields = {}
+        if reasoning is not None and len(reasoning) > len(before_reasoning or ""):
+            fields["reasoning_content"] = reasoning[len(before_reasoning or "") :]
+        if len(answer) > len(before_answer):
+            fields["content"] = answer[len(before_answer) :]
+        return fields or {"content": ""}
+
+
+def chat_message(text: str) -> dict[str, str]:
+    """A finished chat choice's message: its answer, and its think section apart when it has one."""
+    reasoning, answer = split_reasoning(text)
+    message = {"role": "assistant", "content": answer}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message

@@ -28,16 +28,21 @@ class Batch:
 
 def encode(tok: Tokenizer, conversation: Conversation) -> tuple[list[int], list[int]]:
     """Token ids of the whole chat and, per token, the number of the turn whose answer (reply and eos)
-    it belongs to, -1 for the rest."""
-    full = tok.encode_chat(messages(conversation), add_generation_prompt=False)
-    # The last question as the chat would ask it must be a prefix: answers then are what follows it.
+    it belongs to, -1 for the rest.
+
+    The chat is what the engine sees when it answers the last question: earlier turns hold answers
+    only (the template drops think sections), and the last reply is written whole. An earlier answer
+    that the model would have reached by reasoning is not scored, since the model never writes it
+    without its think section.
+    """
     prompt = tok.encode_chat(messages(conversation, [p.answer for p in conversation[:-1]]))
-    if full[: len(prompt)] != prompt:
-        raise ValueError(f"the chat template renders {conversation} differently with its last answer")
+    full = prompt + tok.encode(conversation[-1].reply) + [tok.eos_id]
     assistant = tok.encode(ASSISTANT)[0]
+    last = len(conversation) - 1
     turn_of, turn, inside = [], -1, False
     for t in full:
-        turn_of.append(turn if inside else -1)
+        scored = inside and (turn == last or not conversation[turn].reasoning)
+        turn_of.append(turn if scored else -1)
         if t == assistant:
             inside, turn = True, turn + 1
         elif t == tok.eos_id:
@@ -45,7 +50,11 @@ def encode(tok: Tokenizer, conversation: Conversation) -> tuple[list[int], list[
     return full, turn_of
 
 
-def packed_batches(tok: Tokenizer, stream: Iterator[Conversation], rows: int, width: int) -> Iterator[Batch]:
+def packed_batches(
+    tok: Tokenizer, stream: Iterator[Conversation], rows: int, width: int, packed: bool = True
+) -> Iterator[Batch]:
+    """Rows of `width` tokens; packed=False puts one conversation a row, alone as the engine runs it."""
+
     def encoded() -> Iterator[tuple[Conversation, list[int], list[int]]]:
         for conversation in stream:
             ids, turn_of = encode(tok, conversation)
@@ -61,7 +70,7 @@ def packed_batches(tok: Tokenizer, stream: Iterator[Conversation], rows: int, wi
         kinds: list[str] = []
         for row in range(rows):
             used = 0
-            while used + len(pending[1]) <= width:
+            while used + len(pending[1]) <= width and (packed or used == 0):
                 conversation, seq, turn_of = pending
                 ids[row, used : used + len(seq)] = torch.tensor(seq)
                 segment[row, used : used + len(seq)] = torch.tensor(

@@ -11,7 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from moelaunch.model.reasoning import THINK_END, THINK_START
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -20,15 +22,19 @@ UNK = "<unk>"
 SPECIAL = (BOS, EOS, PAD, USER, ASSISTANT)
 BOS_ID, EOS_ID, PAD_ID = (SPECIAL.index(t) for t in (BOS, EOS, PAD))
 CHARS = tuple(chr(c) for c in range(32, 127))
+# The think section's tags are one token each, as in DeepSeek-R1, and not special: decoding keeps them.
+THINK_TAGS = (THINK_START, THINK_END)
 
 # DeepSeek-V3's template shape: bos, system text, then <｜User｜>/<｜Assistant｜> turns, each
-# assistant turn closed by eos.
+# assistant turn closed by eos. As DeepSeek-R1's, it drops an earlier reply's think section: the
+# history holds answers only, whether the chat, the API's client or the evaluation sends it back.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] }}"
     "{% elif message['role'] == 'user' %}{{ '" + USER + "' + message['content'] }}"
-    "{% elif message['role'] == 'assistant' %}{{ '" + ASSISTANT + "' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '" + ASSISTANT + "' + message['content'].split('" + THINK_END + "')[-1] + eos_token }}"
     "{% else %}{{ raise_exception('unknown role ' + message['role']) }}"
     "{% endif %}"
     "{% endfor %}"
@@ -37,11 +43,12 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer() -> Tokenizer:
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL, UNK, *CHARS))}
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL, UNK, *CHARS, *THINK_TAGS))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TAGS])
     return tok
 
 
