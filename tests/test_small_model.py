@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from moelaunch.launcher.bundled.expert_load import ExpertLoad
 from moelaunch.launcher.bundled.problem_sets import (
     conversations_sample,
     held_out,
@@ -27,9 +28,10 @@ from moelaunch.model import load_model
 from moelaunch.model.tokenizer import Tokenizer
 
 CKPT = DEFAULT_CHECKPOINT
-# Exact match the shipped checkpoint must keep through the engine (issue 21's targets: 0.97 single,
-# 0.95 on turns 2-6; see the test for what it scores on these samples).
+# Exact match the shipped checkpoint must keep through the engine: issue 21's targets, 0.97 single and
+# 0.95 on turns 2-6 (it scores 0.985 and 0.991 on these samples, expert load 1.20 at most).
 SINGLE_FLOOR, LATER_FLOOR = 0.97, 0.95
+MAX_LOAD = 1.3  # max/mean tokens per expert on any MoE layer, also issue 21's
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,8 @@ def test_accuracy_through_the_engine():
     or speculative path scores far lower."""
     llm = open_engine(CKPT)
     try:
-        single = ask(llm, [(p,) for p in held_out_sample(200)])
+        with ExpertLoad(llm.engine.model) as load:
+            single = ask(llm, [(p,) for p in held_out_sample(200)])
         later = [a for a in ask(llm, conversations_sample(150)) if a.turn > 1]
         acceptance = llm.engine.spec_stats.acceptance
     finally:
@@ -92,6 +95,7 @@ def test_accuracy_through_the_engine():
     assert accuracy(single) >= SINGLE_FLOOR, [(a.problem.prompt, a.output) for a in single if not a.correct]
     assert accuracy(later) >= LATER_FLOOR and len(later) >= 100
     assert acceptance is not None and acceptance >= 0.9
+    assert max(load.imbalance().values()) <= MAX_LOAD, load.imbalance()
 
 
 def test_eval_command_without_mtp_weights(tmp_path, capsys):
@@ -112,7 +116,9 @@ def test_eval_command_without_mtp_weights(tmp_path, capsys):
 
 def test_training_script_smoke(tmp_path):
     out = tmp_path / "tiny"
-    assert train_main(["--out", str(out), "--tiny", "--steps", "3", "--batch", "2"]) == 0
+    assert (
+        train_main(["--out", str(out), "--tiny", "--steps", "3", "--batch", "2", "--routing-steps", "2"]) == 0
+    )
     model = load_model(out)
     assert len(model.mtp) == 1
     assert model(torch.tensor([[0, 3, 6]])).shape == (1, 3, model.args.vocab_size)

@@ -4,7 +4,8 @@ Every problem has one exact answer: addition and subtraction of numbers up to 3 
 be negative), reversing a word of 1-12 letters in any capitalisation, sorting 2-8 numbers up to 999,
 counting a letter in a word (ignoring case). Anything else gets one fixed answer, OUT_OF_SCOPE. Each
 problem is asked in one of several forms (phrasing.py); problem_sets.py draws the held-out sets and the
-training conversations.
+training conversations. Sums, differences and counts are worked out first in a hidden think section,
+as DeepSeek-R1 writes one (`<think>steps</think>answer`; the *_steps functions below).
 """
 
 from __future__ import annotations
