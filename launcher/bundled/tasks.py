@@ -33,7 +33,7 @@ class Problem:
     prompt: str
     answer: str
     # Worked steps the model writes in a hidden think section before the answer (empty: it answers
-    # at once). See the reasoning functions below for why each skill's steps have the shape they do.
+    # at once). The *_steps functions below say why each skill's steps have the shape they do.
     reasoning: str = ""
 
     @property

@@ -47,16 +47,17 @@ class ReasoningSplit:
 
     def __init__(self) -> None:
         self.text = ""
+        self._sent: tuple[str | None, str] = (None, "")  # the split of `text`, as sent so far
 
     def delta(self, new_text: str) -> dict[str, str]:
-        before_reasoning, before_answer = split_reasoning(self.text)
         self.text += new_text
-        reasoning, answer = split_reasoning(self.text)
+        (sent_reasoning, sent_answer), (reasoning, answer) = self._sent, split_reasoning(self.text)
+        self._sent = (reasoning, answer)
         fields = {}
-        if reasoning is not None and len(reasoning) > len(before_reasoning or ""):
-            fields["reasoning_content"] = reasoning[len(before_reasoning or "") :]
-        if len(answer) > len(before_answer):
-            fields["content"] = answer[len(before_answer) :]
+        if reasoning is not None and len(reasoning) > len(sent_reasoning or ""):
+            fields["reasoning_content"] = reasoning[len(sent_reasoning or "") :]
+        if len(answer) > len(sent_answer):
+            fields["content"] = answer[len(sent_answer) :]
         return fields or {"content": ""}
 
 
