@@ -6,10 +6,6 @@ import pytest
 
 # Triton picks interpreter vs compiled when a kernel is decorated; CPU-only test machines need the former.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Python processes the tests start (`python -m ...` from the repository root) must not put the root on
-# sys.path: its folders would shadow distributions with the same top-level names (Hugging Face's `kernels`,
-# which transformers imports). Installed, they are moelaunch.model, moelaunch.kernels, ...
-os.environ.setdefault("PYTHONSAFEPATH", "1")
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 
 from moelaunch.cluster.rendezvous import RankEnv, init_distributed
-from moelaunch.launcher.engine.config import EngineConfig
-from moelaunch.launcher.engine.engine import LLMEngine
-from moelaunch.launcher.engine.sampling_params import SamplingParams
-from moelaunch.launcher.jobs.drive import run_to_completion
+from moelaunch.engine.config import EngineConfig
+from moelaunch.engine.drive import run_to_completion
+from moelaunch.engine.engine import LLMEngine
+from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 

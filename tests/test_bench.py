@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from moelaunch.launcher.bench.metrics import CaseRun, RequestTiming, summarize
-from moelaunch.launcher.bench.model import BENCH_CONFIG
-from moelaunch.launcher.bench.suite import BenchOptions, build_cases
 from moelaunch.launcher.cli import main
+from moelaunch.measure.bench.metrics import CaseRun, RequestTiming, summarize
+from moelaunch.measure.bench.model import BENCH_CONFIG
+from moelaunch.measure.bench.suite import BenchOptions, build_cases
 
 METRICS = {
     "requests", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "total_tok_s", "decode_tok_s",

@@ -9,11 +9,11 @@ import sys
 
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from moelaunch.launcher.api import LLM
-from moelaunch.launcher.bundled.capabilities import LINE
-from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, GREEDY
-from moelaunch.launcher.bundled.tasks import OUT_OF_SCOPE
-from moelaunch.model.reasoning import split_reasoning
+from moelaunch.engine.llm import LLM
+from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, GREEDY
+from moelaunch.tasks.capabilities import LINE
+from moelaunch.tasks.tasks import OUT_OF_SCOPE
+from moelaunch.text.reasoning import split_reasoning
 
 # The questions of the issue that asked for this, typed into one conversation.
 TYPED = (

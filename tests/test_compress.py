@@ -13,10 +13,14 @@ from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.launcher.cli import main
-from moelaunch.launcher.compress import distill as distill_module
-from moelaunch.launcher.compress import expert_pruning, head_pruning
-from moelaunch.launcher.compress.calibration import calibration_sequences
-from moelaunch.launcher.compress.distill import (
+from moelaunch.model import load_model
+from moelaunch.model.gate import Gate
+from moelaunch.model.single_sequence import generate
+from moelaunch.text.tokenizer import Tokenizer
+from moelaunch.tools import distill as distill_module
+from moelaunch.tools import expert_pruning, head_pruning
+from moelaunch.tools.calibration import calibration_sequences
+from moelaunch.tools.distill import (
     DEFAULT_TRAIN,
     DistillConfig,
     Distiller,
@@ -24,14 +28,10 @@ from moelaunch.launcher.compress.distill import (
     distill,
     init_student,
 )
-from moelaunch.launcher.compress.distill_data import DistillData
-from moelaunch.launcher.compress.expert_pruning import prune_experts
-from moelaunch.launcher.compress.head_pruning import prune_heads
-from moelaunch.launcher.compress.magnitude_pruning import prune_magnitude
-from moelaunch.model import load_model
-from moelaunch.model.gate import Gate
-from moelaunch.model.single_sequence import generate
-from moelaunch.model.tokenizer import Tokenizer
+from moelaunch.tools.distill_data import DistillData
+from moelaunch.tools.expert_pruning import prune_experts
+from moelaunch.tools.head_pruning import prune_heads
+from moelaunch.tools.magnitude_pruning import prune_magnitude
 
 PROMPTS = ["What is 12+34?", "Reverse hello", "Sort 42 7 19", "In banana, count a", "hello world " * 3]
 IDS = torch.tensor([[0, 5, 9, 44, 71, 3, 100, 20, 8, 8, 250, 17]])

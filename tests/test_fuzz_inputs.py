@@ -15,9 +15,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
-from moelaunch.launcher.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.batch import LineError, parse_line
 from moelaunch.launcher.serve.handlers import APIError, _parse
 from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest

@@ -10,8 +10,8 @@ import pytest
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher import LLM, SamplingParams
-from moelaunch.launcher.bundled.capabilities import LINE
 from moelaunch.launcher.jobs.run import DEMO_QUESTIONS
+from moelaunch.tasks.capabilities import LINE
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ from moelaunch.kernels import dequantize_latent, quantize_latent
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as ref
 from moelaunch.launcher import LLM, SamplingParams
-from moelaunch.launcher.bundled.problem_sets import held_out_sample, messages
-from moelaunch.launcher.bundled.tasks import is_correct
 from moelaunch.model import PagedLatentCache, SparseAttention, load_args, load_model
 from moelaunch.model.config import ModelArgs
+from moelaunch.tasks.problem_sets import held_out_sample, messages
+from moelaunch.tasks.tasks import is_correct
 
 REPO = Path(__file__).resolve().parents[1]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

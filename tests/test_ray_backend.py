@@ -31,8 +31,8 @@ from moelaunch.cluster.ray.session import RaySession  # noqa: E402
 from moelaunch.cluster.rendezvous import free_port  # noqa: E402
 from moelaunch.launcher import LLM, SamplingParams  # noqa: E402
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config  # noqa: E402
-from moelaunch.launcher.ray_client import RayLLM  # noqa: E402
-from moelaunch.model.tokenizer import Tokenizer  # noqa: E402
+from moelaunch.launcher.ray_llm import RayLLM  # noqa: E402
+from moelaunch.text.tokenizer import Tokenizer  # noqa: E402
 
 needs_private_net = pytest.mark.skipif(
     not isolated_network(), reason="Ray tests run inside a network namespace with only lo (see .ci/run)"

@@ -10,20 +10,20 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from moelaunch.launcher.api import LLM
-from moelaunch.launcher.bundled.problem_sets import held_out, held_out_conversations
-from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, GREEDY
-from moelaunch.launcher.bundled.tasks import MAX_DIGITS, Problem
-from moelaunch.launcher.bundled.train_small.data import encode
-from moelaunch.launcher.bundled.train_small.tokenizer import build_tokenizer, tokenizer_config
+from moelaunch.engine.llm import LLM
 from moelaunch.launcher.jobs.batch import run_batch
 from moelaunch.launcher.serve.app import build_app
 from moelaunch.launcher.serve.engine_loop import EngineLoop
 from moelaunch.launcher.serve.handlers import ServerState
 from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.launcher.serve.text import ReasoningSplit
-from moelaunch.model.reasoning import split_reasoning, with_reasoning
-from moelaunch.model.tokenizer import Tokenizer
+from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, GREEDY
+from moelaunch.tasks.problem_sets import held_out, held_out_conversations
+from moelaunch.tasks.tasks import MAX_DIGITS, Problem
+from moelaunch.text.reasoning import split_reasoning, with_reasoning
+from moelaunch.text.tokenizer import Tokenizer
+from moelaunch.training.small_model.data import encode
+from moelaunch.training.small_model.tokenizer import build_tokenizer, tokenizer_config
 
 
 def _lsb_first(digits: str) -> int:

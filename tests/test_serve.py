@@ -333,7 +333,7 @@ def test_bench_serve_measures_the_server(server, tmp_path):
 
 def test_a_dead_rank_turns_the_server_unavailable(server, client):
     """Last: it breaks the server. The rank-1 worker is killed; rank 0's next collective fails."""
-    workers = [p for p in server["workers"] if "moelaunch.launcher.engine.worker" in " ".join(p.cmdline())]
+    workers = [p for p in server["workers"] if "moelaunch.engine.worker" in " ".join(p.cmdline())]
     assert workers, "no worker rank found"
     workers[0].kill()
     with pytest.raises(openai.APIStatusError) as failed:

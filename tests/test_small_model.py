@@ -12,8 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moelaunch.launcher.bundled.expert_load import ExpertLoad
-from moelaunch.launcher.bundled.problem_sets import (
+from moelaunch.launcher.cli import main as cli_main
+from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, accuracy, ask, open_engine
+from moelaunch.model import load_model
+from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.tasks.problem_sets import (
     conversations_sample,
     held_out,
     held_out_conversations,
@@ -21,11 +24,8 @@ from moelaunch.launcher.bundled.problem_sets import (
     messages,
     training_conversations,
 )
-from moelaunch.launcher.bundled.scoring import DEFAULT_CHECKPOINT, accuracy, ask, open_engine
-from moelaunch.launcher.bundled.train_small.__main__ import main as train_main
-from moelaunch.launcher.cli import main as cli_main
-from moelaunch.model import load_model
-from moelaunch.model.tokenizer import Tokenizer
+from moelaunch.text.tokenizer import Tokenizer
+from moelaunch.training.small_model.__main__ import main as train_main
 
 CKPT = DEFAULT_CHECKPOINT
 # Exact match the shipped checkpoint must keep through the engine: issue 21's targets, 0.97 single and

@@ -9,9 +9,9 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
+from moelaunch.engine.sampler import sample_sequence
+from moelaunch.engine.sequence import Sequence
 from moelaunch.launcher import LLM, SamplingParams
-from moelaunch.launcher.engine.sampler import sample_sequence
-from moelaunch.launcher.engine.sequence import Sequence
 from moelaunch.model import load_model
 from moelaunch.model.single_sequence import generate
 

@@ -10,7 +10,7 @@ from tiny_models import make_hf_model
 
 from moelaunch.model import load_model
 from moelaunch.model.single_sequence import generate
-from moelaunch.model.tokenizer import Tokenizer
+from moelaunch.text.tokenizer import Tokenizer
 
 CHAT = [
     {"role": "system", "content": "Answer briefly."},

@@ -57,7 +57,7 @@ def make_hf_model(path: Path, family: str = "v3", seed: int = 0, **overrides: An
 
 
 def add_byte_tokenizer(path: Path) -> Path:
-    from moelaunch.model.byte_tokenizer import write_byte_tokenizer
+    from moelaunch.text.byte_tokenizer import write_byte_tokenizer
 
     return write_byte_tokenizer(Path(path))
 

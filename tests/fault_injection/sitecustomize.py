@@ -31,7 +31,7 @@ def _install(point: str, rank: str, n: float) -> None:
         CheckpointReader.read = read_then_die
         return
 
-    from moelaunch.launcher.engine.model_runner import ModelRunner
+    from moelaunch.engine.model_runner import ModelRunner
 
     step = ModelRunner.step
     decode_steps = []

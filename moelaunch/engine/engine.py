@@ -1,0 +1,399 @@
+"""The engine: every rank runs it; rank 0 also faces the user.
+
+Each step rank 0 broadcasts a command (new sequences with the DP replica each goes to, aborts, or
+stop); every rank then schedules its replica's sequences with the same deterministic scheduler, runs
+the step, and applies the same sampled tokens, so the replicas' ranks never disagree. The replica
+reporters (last stage, tp index 0) send their tokens and log-probabilities to rank 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from moelaunch.engine.block_manager import BlockManager
+from moelaunch.engine.config import EngineConfig
+from moelaunch.engine.memory import available_bytes, num_blocks_for
+from moelaunch.engine.model_runner import ModelRunner, StepResult
+from moelaunch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moelaunch.engine.sampling_params import SamplingParams
+from moelaunch.engine.scheduler import ScheduledChunk, Scheduler
+from moelaunch.engine.sequence import Sequence
+from moelaunch.engine.stats import EngineStats
+from moelaunch.engine.step_protocol import broadcast_json, gather_json
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.parallel.mesh import ParallelMesh
+from moelaunch.parallel.parallelize import load_shard
+from moelaunch.text.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: int
+    request_id: str
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    replica: int
+
+
+@dataclass
+class StepCommand:
+    new: list[NewSequence] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    stop: bool = False
+    keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepCommand:
+        new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
+        return cls(new, d["aborts"], d["stop"], d["keepalive"])
+
+
+@dataclass
+class SeqUpdate:
+    seq_id: int
+    token: int | None  # None: nothing sampled this step (aborted)
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+    finish_reason: str | None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SeqUpdate:
+        top = d["top_logprobs"]  # JSON keys are strings
+        return cls(**{**d, "top_logprobs": {int(k): v for k, v in top.items()} if top is not None else None})
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    replica: int
+    unfinished: int
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        mesh: ParallelMesh,
+        config: EngineConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        fp8: str = "auto",
+        placement: ExpertPlacement | None = None,
+        quantization: str = "none",
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.mesh = mesh
+        self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer.from_dir(model_path)
+        use_mtp = self.config.speculative == "mtp"
+        if use_mtp and mesh.shape.pp > 1:
+            raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
+        self.model = load_shard(
+            model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement, quantization=quantization
+        )
+        self.model.stack_experts()
+        if use_mtp and not len(self.model.mtp):
+            raise ValueError(
+                f"speculative='mtp' but {model_path} has no MTP weights (num_nextn_predict_layers)"
+            )
+        args = self.model.args
+        self.max_model_len = self.config.max_model_len or min(args.max_position_embeddings, 8192)
+        self.cache = self._allocate_cache()
+        self.blocks = BlockManager(self.cache.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
+        self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
+        micro = self.config.micro_batches or mesh.shape.pp
+        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp)
+        self.spec_stats = SpecStats()
+        self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
+        self.seqs: dict[int, Sequence] = {}
+        # Front-end state, meaningful on rank 0 only.
+        self.requests: dict[str, _RequestState] = {}
+        self._seq_owner: dict[int, tuple[str, int]] = {}
+        self._next_seq_id = 0
+        self._pending = StepCommand()
+        self._replica_load = [0] * mesh.shape.dp
+
+    # ---- cache sizing: every rank must end up with the same number of blocks ----
+    def _allocate_cache(self) -> PagedLatentCache:
+        cfg, model = self.config, self.model
+        fp8 = cfg.kv_cache_dtype == "fp8"
+        sparse = cfg.attention.sparse()
+        per_block = PagedLatentCache.bytes_per_block(
+            model.args, len(model.layer_ids()), cfg.block_size, model.compute_dtype(), fp8, sparse
+        )
+        budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
+        # More blocks than every sequence at full length could use are never touched.
+        most = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        n = torch.tensor([min(num_blocks_for(budget, per_block), most)])
+        n = int(self.mesh.world.all_reduce_min(n).item())
+        return model.new_paged_cache(n, cfg.block_size, fp8=fp8, sparse=sparse)
+
+    # ---- front end (rank 0) ----
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        """Queue a request for the next step; one that cannot run raises ValueError, leaving nothing."""
+        self.check_request(request_id, prompt_ids, params)
+        replica = min(range(len(self._replica_load)), key=self._replica_load.__getitem__)
+        outputs = [CompletionOutput(i, "", []) for i in range(params.n)]
+        self.requests[request_id] = _RequestState(
+            request_id,
+            prompt,
+            list(prompt_ids),
+            params,
+            outputs,
+            RequestMetrics(time.perf_counter()),
+            replica,
+            params.n,
+        )
+        for i in range(params.n):
+            seq_id = self._next_seq_id
+            self._next_seq_id += 1
+            self._seq_owner[seq_id] = (request_id, i)
+            self._pending.new.append(NewSequence(seq_id, request_id, i, list(prompt_ids), params, replica))
+        self._replica_load[replica] += params.n
+
+    def check_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """add_request's checks alone: a caller queuing several requests checks them all first."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling params must be SamplingParams: {params!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(prompt_ids, list) or not prompt_ids:
+            raise ValueError(f"request {request_id!r}: the prompt must be a non-empty list of token ids")
+        vocab = self.model.args.vocab_size
+        outside = [t for t in prompt_ids if type(t) is not int or not 0 <= t < vocab]
+        if outside:
+            raise ValueError(
+                f"request {request_id!r}: token id {outside[0]!r} is not in the vocabulary "
+                f"(ids 0..{vocab - 1})"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"request {request_id!r}: stop strings need the tokenizer, which skip_tokenizer_init=True "
+                "left out; use stop_token_ids"
+            )
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens does not fit max_model_len="
+                f"{self.max_model_len}; shorten it or raise max_model_len"
+            )
+        if self.blocks.blocks_needed(len(prompt_ids) + 1) > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(prompt_ids)} tokens needs more KV blocks than the "
+                f"cache has ({self.blocks.num_blocks} of {self.blocks.block_size}); raise kv_cache_memory"
+            )
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self._pending.aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(r.unfinished for r in self.requests.values())
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step on every rank; returns the requests that progressed (rank 0)."""
+        command, self._pending = self._pending, StepCommand()
+        self._broadcast(command)
+        updates = self._execute(command)
+        return self._apply(updates)
+
+    def shutdown(self) -> None:
+        """Release the worker ranks from their loop (rank 0)."""
+        if self.mesh.world.size > 1:
+            self._broadcast(StepCommand(stop=True))
+
+    def keepalive(self) -> None:
+        """While rank 0 waits on a person (a chat prompt), tell the peers it is alive: their wait for
+        the next command is a collective with a timeout."""
+        if self.mesh.world.size > 1:
+            self._broadcast(StepCommand(keepalive=True))
+
+    def worker_loop(self) -> None:
+        """Ranks other than 0: follow rank 0's commands until it stops."""
+        while True:
+            command = self._broadcast(None)
+            if command.stop:
+                return
+            if not command.keepalive:
+                self._execute(command)
+
+    def _broadcast(self, command: StepCommand | None) -> StepCommand:
+        mesh = self.mesh
+        if mesh.world.size == 1:
+            return command
+        sent = asdict(command) if command is not None else None
+        received = broadcast_json(sent, mesh.global_ranks[0], mesh.world.pg, mesh.device)
+        return command if command is not None else StepCommand.from_dict(received)
+
+    # ---- every rank ----
+    def _execute(self, command: StepCommand) -> list[SeqUpdate]:
+        updates: list[SeqUpdate] = []
+        for new in command.new:
+            if new.replica == self.mesh.dp_index:
+                seed = (
+                    new.params.seed + new.index
+                    if new.params.seed is not None
+                    else self.config.seed + new.seq_id
+                )
+                seq = Sequence(
+                    new.seq_id,
+                    new.request_id,
+                    new.index,
+                    new.prompt,
+                    new.params,
+                    torch.Generator().manual_seed(seed),
+                )
+                self.seqs[new.seq_id] = seq
+                self.scheduler.add(seq)
+        for request_id in command.aborts:
+            for seq in [s for s in self.seqs.values() if s.request_id == request_id]:
+                self._finish(seq, "abort")
+                updates.append(SeqUpdate(seq.seq_id, None, None, None, "abort"))
+        plan = self.scheduler.schedule()
+        results = self.runner.step(plan)
+        for chunk in plan:
+            if not chunk.samples:
+                self.scheduler.computed(chunk)
+                continue
+            seq_updates = self._accept(chunk, results[chunk.seq.seq_id])
+            updates.extend(seq_updates)
+            if seq_updates[-1].finish_reason:
+                self._finish(chunk.seq, seq_updates[-1].finish_reason)
+        return self._gather(updates)
+
+    def _accept(self, chunk: ScheduledChunk, result: StepResult) -> list[SeqUpdate]:
+        """Append the step's tokens (kept draft tokens, then the sampled one) up to any finish."""
+        seq, updates, reason = chunk.seq, [], None
+        for sampled in result.tokens:
+            seq.output.append(sampled.token)
+            reason = self._finish_reason(seq, sampled.token)
+            updates.append(
+                SeqUpdate(seq.seq_id, sampled.token, sampled.logprob, sampled.top_logprobs, reason)
+            )
+            if reason:
+                break
+        kept = len(result.tokens) - 1
+        self.spec_stats.drafted += len(chunk.draft)
+        self.spec_stats.accepted += kept
+        self.scheduler.computed(chunk, accepted_drafts=min(kept, len(updates) - 1))
+        seq.draft = result.draft
+        return updates
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (token == self.eos_id and not p.ignore_eos):
+            return "stop"
+        if p.stop:
+            text = self.tokenizer.decode(seq.output)
+            if any(s in text for s in p.stop):
+                return "stop"
+        if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        del self.seqs[seq.seq_id]
+
+    def _gather(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
+        """Rank 0 collects every replica's updates and stats, as its reporter rank saw them."""
+        mesh = self.mesh
+        if mesh.world.size == 1:
+            self.stats = self._replica_stats()
+            return updates
+        reporter = mesh.is_last_stage and mesh.tp_index == 0
+        mine = [[asdict(u) for u in updates], asdict(self._replica_stats())]
+        parts = gather_json(mine if reporter else None, mesh.global_ranks[0], mesh.world.pg, mesh.device)
+        if mesh.rank != 0:
+            return []
+        reports = [part for part in parts if part is not None]
+        self.stats = sum((EngineStats(**stats) for _, stats in reports), EngineStats())
+        return [SeqUpdate.from_dict(u) for part_updates, _ in reports for u in part_updates]
+
+    def _replica_stats(self) -> EngineStats:
+        s, blocks = self.scheduler, self.blocks
+        return EngineStats(
+            running=len(s.running),
+            waiting=len(s.waiting),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free,
+            kv_blocks_total=blocks.num_blocks,
+            prompt_tokens_admitted=s.admitted_tokens,
+            prefix_hit_tokens=blocks.stats.prefix_hit_tokens,
+            preemptions=s.preemptions,
+            spec_drafted=self.spec_stats.drafted,
+            spec_accepted=self.spec_stats.accepted,
+        )
+
+    # ---- rank 0: turn updates into outputs ----
+    def _apply(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        touched: dict[str, _RequestState] = {}
+        for u in updates:
+            request_id, index = self._seq_owner[u.seq_id]
+            state = self.requests[request_id]
+            out = state.outputs[index]
+            if u.token is not None:
+                out.token_ids.append(u.token)
+                state.metrics.first_token = state.metrics.first_token or now
+                if state.params.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + [u.top_logprobs or {}]
+                    out.token_logprobs = (out.token_logprobs or []) + [u.logprob]
+            if u.finish_reason:
+                out.finish_reason = u.finish_reason
+                state.unfinished -= 1
+                self._replica_load[state.replica] -= 1
+                if state.unfinished == 0:
+                    state.metrics.finished = now
+            touched[request_id] = state
+        return [self._output(state) for state in touched.values()]
+
+    def _output(self, state: _RequestState) -> RequestOutput:
+        if state.unfinished == 0:  # text once, at the end; streaming callers decode token_ids themselves
+            for out in state.outputs:
+                out.text = self._text(out, state.params)
+        return RequestOutput(
+            state.request_id,
+            state.prompt,
+            state.prompt_ids,
+            state.outputs,
+            finished=state.unfinished == 0,
+            metrics=state.metrics,
+        )
+
+    def _text(self, out: CompletionOutput, params: SamplingParams) -> str:
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids only
+            return ""
+        text = self.tokenizer.decode(out.token_ids)
+        for s in params.stop:  # the output ends before the first stop string
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+        return text
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's front-end state."""
+        state = self.requests.pop(request_id)
+        for seq_id in [s for s, (r, _) in self._seq_owner.items() if r == state.request_id]:
+            del self._seq_owner[seq_id]

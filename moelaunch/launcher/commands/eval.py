@@ -1,0 +1,97 @@
+"""`launch eval --model DIR [--n 1000] [--multi-turn]`: score a checkpoint of the bundled task family.
+
+The held-out problems go through the engine, the path of `launch` and the API (greedy, MTP speculative
+decoding when the checkpoint has an MTP layer), all in one batch per turn. Reports exact match per skill,
+per form and per turn position (`--multi-turn`: conversations of 2-6 turns, each turn asked after the
+model's own earlier replies), expert load balance (max/mean tokens per expert, per MoE layer, over every
+token the engine ran) and MTP draft acceptance. Arithmetic and counting are answered after a think
+section of worked steps; the report says how many of those steps were right. The last line is
+`accuracy=<fraction> n=<answers>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, Answer, accuracy, ask, open_engine, tally
+from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.tasks.problem_sets import HELD_OUT_SIZE, conversations_sample, held_out_sample
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="exact-match accuracy of a task-family checkpoint on held-out problems, through the engine",
+    )
+    p.add_argument(
+        "--model", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory (default: the shipped one)"
+    )
+    p.add_argument(
+        "--n", type=int, default=HELD_OUT_SIZE, help=f"held-out questions to score (1..{HELD_OUT_SIZE})"
+    )
+    p.add_argument(
+        "--multi-turn", action="store_true", help="score conversations of 2-6 turns (about --n turns in all)"
+    )
+    p.set_defaults(func=run)
+
+
+def _print_table(title: str, rows: dict[str, tuple[int, int]]) -> None:
+    print(f"{title}:")
+    for name, (right, total) in rows.items():
+        print(f"  {name:12s} {right:4d}/{total:<4d} {right / total:.3f}")
+
+
+def report(answers: list[Answer], multi_turn: bool) -> None:
+    _print_table("per skill", tally(answers, lambda a: a.problem.kind))
+    _print_table("per form", tally(answers, lambda a: a.problem.form))
+    if multi_turn:
+        _print_table("per turn", tally(sorted(answers, key=lambda a: a.turn), lambda a: a.turn))
+        later = [a for a in answers if a.turn > 1]
+        print(f"turns 2-6: {accuracy(later):.4f} ({sum(a.correct for a in later)}/{len(later)})")
+    _print_reasoning(answers)
+
+
+def _print_reasoning(answers: list[Answer]) -> None:
+    """Where the errors of skills answered after worked steps come from: the steps or the last read."""
+    worked = [a for a in answers if a.problem.reasoning]
+    if not worked:
+        return
+    steps_right = [a for a in worked if a.reasoning == a.problem.reasoning]
+    misread = sum(not a.correct for a in steps_right)
+    print(
+        f"think sections: {len(steps_right)}/{len(worked)} with the right steps; "
+        f"{misread} of those answered wrong"
+    )
+
+
+def _layer(gate_name: str, n_layers: int) -> str:
+    """Gates are named model.layers.<i>.mlp.gate, or mtp.<k>.mlp.gate for MTP layer n_layers + k."""
+    parts = gate_name.split(".")
+    return f"layer {n_layers + int(parts[1])} (MTP)" if parts[0] == "mtp" else f"layer {parts[2]}"
+
+
+def run(args: argparse.Namespace) -> int:
+    conversations = (
+        conversations_sample(args.n) if args.multi_turn else [(p,) for p in held_out_sample(args.n)]
+    )
+    llm = open_engine(args.model)
+    start = time.time()
+    try:
+        with ExpertLoad(llm.engine.model) as load:
+            answers = ask(llm, conversations)
+    finally:
+        llm.shutdown()
+    report(answers, args.multi_turn)
+    print("expert load, max/mean tokens per expert (1.00 is even):")
+    n_layers = llm.engine.model.args.num_hidden_layers
+    for name, ratio in load.imbalance().items():
+        print(f"  {_layer(name, n_layers)}: {ratio:.2f}")
+    acceptance = llm.engine.spec_stats.acceptance
+    print(
+        "MTP draft acceptance: "
+        + ("n/a (no MTP weights in the checkpoint)" if acceptance is None else f"{acceptance:.4f}")
+    )
+    print(f"{len(answers)} answers in {time.time() - start:.0f}s")
+    print(f"accuracy={accuracy(answers):.4f} n={len(answers)}")
+    return 0

@@ -1,0 +1,327 @@
+"""POST /v1/chat/completions and /v1/completions: request body to engine requests to response.
+
+Both endpoints share the flow: read and validate the body (400 naming the field), check the model
+(404) and the context length (400 naming both lengths), submit every prompt's request at once (429
+when the queue is full, 503 when the engine failed), then answer whole or as server-sent events. A
+client that goes away aborts its requests, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from moelaunch.engine.drive import Request
+from moelaunch.launcher.deploy.config import show_value
+from moelaunch.launcher.serve import responses
+from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
+from moelaunch.launcher.serve.metrics import ServeMetrics
+from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest
+from moelaunch.launcher.serve.text import IncrementalText, ReasoningSplit, chat_message
+from moelaunch.text.tokenizer import Tokenizer
+
+DISCONNECT_POLL_S = 0.5
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    @property
+    def kind(self) -> str:
+        return ERROR_TYPES.get(self.status, "server_error")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(responses.error_body(str(self), self.kind, self.param, self.status), self.status)
+
+
+@dataclass
+class ServerState:
+    engine_loop: EngineLoop
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    metrics: ServeMetrics
+    api_key: str | None
+    max_body_bytes: int
+
+
+@dataclass
+class _Call:
+    """One HTTP call's engine requests: prompt i's request id, and its choices' first index."""
+
+    kind: str  # responses.CHAT or responses.COMPLETION
+    response_id: str
+    requests: list[Request]
+    n: int
+    logprobs: int | None
+
+    def first_index(self, request_id: str) -> int:
+        return next(i for i, r in enumerate(self.requests) if r.request_id == request_id) * self.n
+
+
+async def chat_completions(state: ServerState, http: HTTPRequest) -> Any:
+    req = _parse(ChatCompletionRequest, await read_json(http, state.max_body_bytes))
+    _check_model(state, req.model)
+    messages = [m.as_template_input() for m in req.messages]
+    try:
+        prompt_ids = state.tokenizer.encode_chat(messages)
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+    call = _call(state, responses.CHAT, "chatcmpl", req, [(prompt_ids, None)])
+    return await _respond(state, http, call, req.stream, req.include_usage, req.stop)
+
+
+async def completions(state: ServerState, http: HTTPRequest) -> Any:
+    req = _parse(CompletionRequest, await read_json(http, state.max_body_bytes))
+    _check_model(state, req.model)
+    prompts = [(state.tokenizer.encode(p), p) if isinstance(p, str) else (p, None) for p in req.prompts()]
+    call = _call(state, responses.COMPLETION, "cmpl", req, prompts)
+    return await _respond(state, http, call, req.stream, req.include_usage, req.stop)
+
+
+async def read_json(http: HTTPRequest, limit: int) -> Any:
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(
+            413, f"request body of {declared} bytes is over the limit of {limit} (server.max_body_bytes)"
+        )
+    body = bytearray()
+    async for chunk in http.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes (server.max_body_bytes)")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the body is not valid JSON: {e}") from None
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        errors = e.errors(include_url=False)
+        err = errors[0]
+        field = str(err["loc"][0]) if err["loc"] else "(body)"
+        # A union field (prompt, stop) fails once per accepted form; name the forms, not the first miss.
+        forms = [str(x["loc"][1]) for x in errors if len(x["loc"]) > 1 and x["loc"][0] == field]
+        if len(forms) > 1 and all(not f.isdigit() for f in forms):
+            raise APIError(
+                400,
+                f"{field}: given {show_value(err['input'])}; allowed: {' or '.join(dict.fromkeys(forms))}",
+                field,
+            ) from None
+        path = ".".join(str(part) for part in err["loc"]) or "(body)"
+        given = f" (given {show_value(err['input'])})" if err["type"] != "missing" else ""
+        raise APIError(400, f"{path}: {err['msg']}{given}", field) from None
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(
+            404, f"model {name!r} does not exist; this server serves {state.model_name!r}", "model"
+        )
+
+
+def _call(
+    state: ServerState, kind: str, prefix: str, req: Any, prompts: list[tuple[list[int], str | None]]
+) -> _Call:
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    requests = []
+    for i, (prompt_ids, text) in enumerate(prompts):
+        max_tokens = _max_tokens(state, len(prompt_ids), req.requested_max_tokens)
+        try:
+            params = req.sampling_params(max_tokens, req.logprobs_count)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        requests.append(Request(f"{response_id}-{i}", prompt_ids, params, text))
+    return _Call(kind, response_id, requests, req.n, req.logprobs_count)
+
+
+def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
+    room = state.max_model_len - prompt_len
+    if room < 1 or (requested is not None and requested > room):
+        asked = f" + max_tokens {requested} = {prompt_len + requested}" if requested is not None else ""
+        raise APIError(
+            400,
+            f"the prompt has {prompt_len} tokens{asked}, over the context of {state.max_model_len} tokens "
+            "(max_model_len): shorten the prompt or lower max_tokens",
+            "max_tokens" if requested is not None and room >= 1 else "messages",
+        )
+    return requested if requested is not None else room
+
+
+async def _respond(
+    state: ServerState, http: HTTPRequest, call: _Call, stream: bool, include_usage: bool, stop: Any
+) -> Any:
+    outputs = OutputStream(asyncio.get_running_loop())
+    ids = [r.request_id for r in call.requests]
+    # Timed from here, before the engine thread can see them.
+    state.metrics.accepted(ids)
+    try:
+        state.engine_loop.submit(call.requests, outputs)
+    except QueueFull as e:
+        state.metrics.forget(ids)
+        raise APIError(429, f"the server is busy ({e}); retry later") from None
+    except EngineFailed as e:
+        state.metrics.forget(ids)
+        raise APIError(503, str(e)) from None
+    state.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in call.requests))
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if stream:
+        events = _events(state, http, call, outputs, include_usage, stops)
+        return StreamingResponse(events, media_type="text/event-stream")
+    finished = await _until_finished(state, http, call, outputs)
+    state.metrics.requests.labels("200").inc()
+    return _whole(state, call, finished)
+
+
+async def _until_finished(
+    state: ServerState, http: HTTPRequest, call: _Call, outputs: OutputStream
+) -> dict[str, Progress]:
+    done: dict[str, Progress] = {}
+    watcher = asyncio.create_task(_abort_on_disconnect(state, http, call, done))
+    try:
+        while len(done) < len(call.requests):
+            progress = await _next(state, outputs)
+            if progress.finished:
+                done[progress.request_id] = progress
+    finally:
+        watcher.cancel()
+    return done
+
+
+async def _abort_on_disconnect(state: ServerState, http: HTTPRequest, call: _Call, done: dict) -> None:
+    while True:
+        await asyncio.sleep(DISCONNECT_POLL_S)
+        if await http.is_disconnected():
+            _abort_unfinished(state, call, done)
+            return
+
+
+def _abort_unfinished(state: ServerState, call: _Call, done: dict) -> None:
+    unfinished = [r.request_id for r in call.requests if r.request_id not in done]
+    for request_id in unfinished:
+        state.engine_loop.abort(request_id)
+    if unfinished:
+        state.metrics.requests.labels("aborted").inc()
+
+
+async def _next(state: ServerState, outputs: OutputStream) -> Progress:
+    try:
+        return await outputs.get()
+    except EngineFailed as e:
+        state.metrics.requests.labels("503").inc()
+        raise APIError(503, str(e)) from None
+    except ValueError as e:  # the engine refused the request (e.g. a token id outside the vocabulary)
+        state.metrics.requests.labels("400").inc()
+        raise APIError(400, str(e)) from None
+
+
+def _whole(state: ServerState, call: _Call, finished: dict[str, Progress]) -> dict[str, Any]:
+    body = responses.envelope(call.kind, call.response_id, state.model_name)
+    choices, completion_tokens = [], 0
+    for request in call.requests:
+        progress = finished[request.request_id]
+        first = call.first_index(request.request_id)
+        for c in progress.choices:
+            completion_tokens += len(c.token_ids)
+            choices.append(_choice(state, call, first + c.index, c, c.text, 0, len(c.token_ids), 0))
+    prompt_tokens = sum(len(r.prompt_ids) for r in call.requests)
+    return {**body, "choices": choices, "usage": responses.usage(prompt_tokens, completion_tokens)}
+
+
+def _choice(
+    state: ServerState,
+    call: _Call,
+    index: int,
+    c,
+    text: str,
+    start: int,
+    end: int,
+    text_offset: int,
+    delta: ReasoningSplit | None = None,
+) -> dict[str, Any]:
+    """One choice of a response, or of a stream chunk when `delta` (the choice's split so far) is given."""
+    logprobs = None
+    if call.logprobs is not None and end > start:
+        if call.kind == responses.CHAT:
+            logprobs = responses.chat_logprobs(state.tokenizer, c, start, end)
+        else:
+            logprobs = responses.completion_logprobs(state.tokenizer, c, start, end, text_offset)
+    if call.kind == responses.CHAT:
+        key, fields = ("message", chat_message(text)) if delta is None else ("delta", delta.delta(text))
+        return {"index": index, key: fields, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+async def _events(
+    state: ServerState, http: HTTPRequest, call: _Call, outputs: OutputStream, include_usage: bool, stops
+) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if call.kind == responses.CHAT else responses.COMPLETION
+    head = responses.envelope(kind, call.response_id, state.model_name)
+    texts: dict[int, IncrementalText] = {}
+    splits: dict[int, ReasoningSplit] = {}
+    tokens_sent: dict[int, int] = {}
+    done: dict[str, Progress] = {}
+    try:
+        if call.kind == responses.CHAT:
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(len(call.requests) * call.n)]  # fmt: skip
+            yield _sse({**head, "choices": first})
+        while len(done) < len(call.requests):
+            try:
+                progress = await _next(state, outputs)
+            except APIError as e:
+                yield _sse(responses.error_body(str(e), e.kind, e.param, e.status))
+                return
+            if progress.finished:
+                done[progress.request_id] = progress
+            chunk_choices = []
+            for c in progress.choices:
+                index = call.first_index(progress.request_id) + c.index
+                text = texts.setdefault(index, IncrementalText(state.tokenizer, stops))
+                offset = len(text.sent)
+                delta = text.delta(c)
+                start, end = tokens_sent.get(index, 0), len(c.token_ids)
+                tokens_sent[index] = end
+                # A chunk for every step that brought tokens, even when their text is held back or empty
+                # (a partial character): clients time tokens by chunks.
+                if delta or c.finish_reason or end > start:
+                    split = (
+                        splits.setdefault(index, ReasoningSplit()) if call.kind == responses.CHAT else None
+                    )
+                    chunk_choices.append(_choice(state, call, index, c, delta, start, end, offset, split))
+            if chunk_choices:
+                yield _sse({**head, "choices": chunk_choices})
+        if include_usage:
+            prompt_tokens = sum(len(r.prompt_ids) for r in call.requests)
+            completion_tokens = sum(len(c.token_ids) for p in done.values() for c in p.choices)
+            yield _sse({**head, "choices": [], "usage": responses.usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+        state.metrics.requests.labels("200").inc()
+    finally:  # the client went away (the response was cancelled) or the engine failed
+        _abort_unfinished(state, call, done)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

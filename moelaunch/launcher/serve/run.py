@@ -1,0 +1,78 @@
+"""The serve job: the engine loop, the HTTP app, and uvicorn on rank 0 until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from moelaunch.engine.stats import EngineStats
+from moelaunch.launcher.deploy.config import DeployConfig
+from moelaunch.launcher.jobs.progress_log import ProgressLog
+from moelaunch.launcher.serve.app import build_app
+from moelaunch.launcher.serve.engine_loop import EngineLoop, Progress
+from moelaunch.launcher.serve.handlers import ServerState
+from moelaunch.launcher.serve.metrics import ServeMetrics
+
+API_KEY_ENV = "MOELAUNCH_API_KEY"
+STOP_TIMEOUT_S = 30.0
+
+
+def run_serve(client, cfg: DeployConfig) -> int:
+    """Serve `client` (an LLM or the Ray client) as cfg.server describes."""
+    s = cfg.server
+    metrics = ServeMetrics()
+    log = ProgressLog("serve", s.log_interval_s)
+
+    def on_progress(progress: Progress) -> None:
+        log.count(metrics.progress(progress), int(progress.finished))
+
+    def on_stats(stats: EngineStats) -> None:
+        metrics.engine_stats(stats)
+        log.maybe_write(lambda: stats)
+
+    engine = client.engine
+    capacity = engine.config.max_num_seqs * cfg.parallel.dp + s.max_queue
+    # A third of the collective timeout: the other ranks wait for rank 0's next command that long.
+    loop = EngineLoop(engine, capacity, cfg.cluster.timeouts.collective_s / 3, on_progress, on_stats)
+    state = ServerState(
+        engine_loop=loop,
+        tokenizer=client.tokenizer,
+        model_name=s.served_model_name or Path(cfg.model).name,
+        max_model_len=engine.max_model_len,
+        metrics=metrics,
+        api_key=s.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=s.max_body_bytes,
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((s.host, s.port))
+    host, port = sock.getsockname()[:2]
+    loop.start()
+    key_note = "API key required" if state.api_key else "no API key (set server.api_key or MOELAUNCH_API_KEY)"
+    print(
+        f"serve: http://{host}:{port}/v1 serving {state.model_name!r}; {key_note}",
+        file=sys.stderr,
+        flush=True,
+    )
+    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="off"))
+    # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again; both end here
+    # as KeyboardInterrupt, so the ranks are released and stopped by the caller either way.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        loop.stop(STOP_TIMEOUT_S)
+    print("serve: stopped", file=sys.stderr, flush=True)
+    return 1 if loop.failure is not None else 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
