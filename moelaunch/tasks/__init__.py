@@ -1,1 +1,2 @@
-"""The bundled small model's task family: its problems, how it is asked them, its training and scoring."""
+"""The bundled small model's task family: its problems (tasks.py), the ways people ask them (phrasing.py),
+the training and held-out sets (problem_sets.py) and what the chat says the model can do."""

@@ -1,2 +1,3 @@
-"""Model compression: pruning (experts, attention heads, weights by magnitude) and distillation into a
-smaller student, each writing a Hugging Face checkpoint that loads unchanged."""
+"""Offline checkpoint tools, each writing a Hugging Face checkpoint that loads unchanged: `launch convert`
+(FP8 to bf16, weight quantization), `launch prune` (experts, attention heads, weights by magnitude) and
+`launch distill` (a smaller student)."""
