@@ -1,0 +1,103 @@
+"""Which files one decode step runs through, and which package boundaries it crosses.
+
+    python -m benchmarks.step_trace [--model checkpoints/small] [--batch 4]
+
+Runs the bundled model (or any checkpoint) through the engine, prefills `--batch` prompts, then profiles
+one decode step (`LLMEngine.step`) with sys.setprofile. Prints the moelaunch files in the order the step
+first enters them, and every call from one subpackage into another with its count: the decode step as
+docs/architecture.md draws it. A call from a lower layer into a higher one (per .importlinter) is marked
+as going back up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from moelaunch.engine.llm import LLM
+from moelaunch.engine.sampling_params import SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE_ROOT = REPO / "moelaunch"
+
+
+def layer_order() -> dict[str, int]:
+    """Subpackage -> depth in .importlinter's layers contract (0 is the top)."""
+    config = configparser.ConfigParser()
+    config.read(REPO / ".importlinter")
+    layers = config["importlinter:contract:layers"]["layers"].split("\n")
+    order: dict[str, int] = {}
+    for depth, line in enumerate(x for x in layers if x.strip()):
+        for name in line.split("|"):
+            order[name.strip().removeprefix("moelaunch.")] = depth
+    return order
+
+
+def subpackage(filename: str) -> tuple[str, str] | None:
+    """(subpackage, path inside moelaunch/) of a moelaunch source file, else None."""
+    path = Path(filename)
+    if not path.is_relative_to(PACKAGE_ROOT):
+        return None
+    rel = path.relative_to(PACKAGE_ROOT)
+    return rel.parts[0], str(rel)
+
+
+def trace_step(llm: LLM) -> tuple[list[str], Counter]:
+    files: list[str] = []
+    crossings: Counter = Counter()
+
+    def profile(frame, event, _arg) -> None:
+        if event != "call":
+            return
+        callee = subpackage(frame.f_code.co_filename)
+        if callee is None:
+            return
+        if callee[1] not in files:
+            files.append(callee[1])
+        caller_frame = frame.f_back
+        while caller_frame is not None and subpackage(caller_frame.f_code.co_filename) is None:
+            caller_frame = caller_frame.f_back  # through torch's and the stdlib's frames
+        caller = subpackage(caller_frame.f_code.co_filename) if caller_frame is not None else None
+        if caller is not None and caller[0] != callee[0]:
+            crossings[(caller[0], callee[0])] += 1
+
+    sys.setprofile(profile)
+    try:
+        llm.engine.step()
+    finally:
+        sys.setprofile(None)
+    return files, crossings
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(REPO / "checkpoints" / "small"))
+    p.add_argument("--batch", type=int, default=4)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    llm = LLM(model=args.model, max_num_seqs=args.batch)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i in range(args.batch):
+        llm.engine.add_request(f"r{i}", [1, 5 + i, 6, 7], params)
+    for _ in range(2):
+        llm.engine.step()  # the prompts' prefill, then a first decode step (lazy set-up done)
+    files, crossings = trace_step(llm)
+    order = layer_order()
+    print(f"decode step at batch {args.batch}: {len(files)} moelaunch files, in the order first entered")
+    for f in files:
+        print(f"  {f}")
+    print("calls between subpackages (caller -> callee: count)")
+    for (caller, callee), n in sorted(crossings.items(), key=lambda kv: (order[kv[0][0]], order[kv[0][1]])):
+        back = "  (back up a layer)" if order[callee] < order[caller] else ""
+        print(f"  {caller} -> {callee}: {n}{back}")
+    print(f"package boundaries crossed: {len(crossings)}")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
