@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +83,49 @@ def test_a_build_in_progress_is_waited_for(fake_build, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("waiting for another process building") == 1 and "interrupted" not in err
 
+
+def test_two_checkouts_share_one_build(tmp_path):
+    """A second checkout of the same sources (a CI clone beside a working tree) loads the build the first
+    made, instead of rebuilding it: torch's build files name the sources, so they are built from a copy."""
+    import shutil
+
+    import moelaunch
+
+    ours = cpu_extension.module()
+    assert ours is not None, "the CPU kernels must build on the test machines"
+    shutil.copytree(Path(moelaunch.__file__).parent, tmp_path / "moelaunch")
+    other = subprocess.run(
+        [sys.executable, "-c", LOAD_AND_PRINT],
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert other.returncode == 0, other.stderr
+    source, built = other.stdout.split()
+    assert source.startswith(str(tmp_path)) and built == ours.__file__
+    assert "building the CPU kernels" not in other.stderr
+
+
+def test_another_torch_gets_its_own_build(fake_build, monkeypatch):
+    """A venv with another torch (other include paths baked into the build) has a build of its own, so two
+    venvs never rebuild one in turn; the sources compiled are the copy in that build's directory."""
+    import torch.utils.cpp_extension as builder
+
+    sources: list[list[str]] = []
+    monkeypatch.setattr(builder, "load", lambda name, **kw: sources.append(kw["sources"]) or "module")
+    first = cpu_extension._build_tag()
+    assert cpu_extension._build() == "module"
+    assert all(Path(s).parent == Path(_build_dir()) / "src" for s in sources[0])
+    monkeypatch.setattr(builder, "include_paths", lambda *a, **kw: ["/another/venv/torch/include"])
+    assert cpu_extension._build_tag() != first
+
+
+LOAD_AND_PRINT = """
+from moelaunch.kernels import cpu_extension
+print(cpu_extension.__file__, cpu_extension.module().__file__)
+"""
 
 HOLD_GUARD = """
 import fcntl, sys, time

@@ -31,16 +31,32 @@ GUARD_FILE = "moelaunch-build.guard"
 
 def _build_tag() -> str:
     # -march=native code must not be reused on a machine with other instructions, nor a build of older
-    # sources: the module's name carries the CPU's feature flags and the sources' digest.
+    # sources, nor one compiled against another torch: torch writes its include paths (the venv's) into the
+    # build, so two venvs sharing one name would rebuild it in turn. The name carries a digest of all three.
+    from torch.utils.cpp_extension import include_paths
+
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         flags = next(line for line in lines if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = ""
     digest = hashlib.sha1(flags.encode())
+    digest.update("\n".join([torch.__version__, *include_paths()]).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:10]
+
+
+def _stable_sources(build_dir: Path) -> list[str]:
+    """The sources copied into the build directory: torch writes source paths into the build too, so
+    building from each checkout's own csrc/ would make two checkouts rebuild in turn."""
+    copy = build_dir / "src"
+    copy.mkdir(exist_ok=True)
+    for path in CSRC.iterdir():
+        target = copy / path.name
+        if not target.is_file() or target.read_bytes() != path.read_bytes():
+            target.write_bytes(path.read_bytes())
+    return [str(copy / s) for s in SOURCES]
 
 
 @cache
@@ -59,7 +75,7 @@ def _build() -> ModuleType | None:
                 f"moelaunch: removed {build_dir / 'lock'}, left by an interrupted CPU kernel build",
                 file=sys.stderr,
             )
-        return _compile(name, fresh=not (build_dir / f"{name}.so").is_file())
+        return _compile(name, _stable_sources(build_dir), fresh=not (build_dir / f"{name}.so").is_file())
 
 
 def _hold(guard: IO[str], build_dir: Path) -> None:
@@ -85,7 +101,7 @@ def _hold(guard: IO[str], build_dir: Path) -> None:
             time.sleep(LOCK_POLL_S)
 
 
-def _compile(name: str, fresh: bool) -> ModuleType | None:
+def _compile(name: str, sources: list[str], fresh: bool) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     # A first build takes a minute or two: say so, or a first `launch` looks hung.
@@ -99,7 +115,7 @@ def _compile(name: str, fresh: bool) -> ModuleType | None:
     try:
         built = load(
             name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
+            sources=sources,
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
         )
