@@ -94,6 +94,7 @@ def test_two_checkouts_share_one_build(tmp_path):
     ours = cpu_extension.module()
     assert ours is not None, "the CPU kernels must build on the test machines"
     shutil.copytree(Path(moelaunch.__file__).parent, tmp_path / "moelaunch")
+    built_at = os.stat(ours.__file__).st_mtime_ns
     other = subprocess.run(
         [sys.executable, "-c", LOAD_AND_PRINT],
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
@@ -106,6 +107,7 @@ def test_two_checkouts_share_one_build(tmp_path):
     source, built = other.stdout.split()
     assert source.startswith(str(tmp_path)) and built == ours.__file__
     assert "building the CPU kernels" not in other.stderr
+    assert os.stat(ours.__file__).st_mtime_ns == built_at, "the second checkout rebuilt the extension"
 
 
 def test_another_torch_gets_its_own_build(fake_build, monkeypatch):
