@@ -42,14 +42,18 @@ def prepare_cpu_kernels() -> bool:
 def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     """Whether the C++ kernels take these tensors: on the CPU, fp32 (a linear layer's `weight` fp32 or
     bf16), none under autograd (the kernels have no backward), and the kernels built."""
-    tensors = fp32 if weight is None else (*fp32, weight)
+    # Loops rather than all(): this runs on every linear layer and per-token step of a decode step.
     grad = torch.is_grad_enabled()
-    return (
-        all(not t.is_cuda and not (grad and t.requires_grad) for t in tensors)
-        and all(t.dtype == torch.float32 for t in fp32)
-        and (weight is None or weight.dtype in (torch.float32, torch.bfloat16))
-        and prepare_cpu_kernels()
-    )
+    for t in fp32:
+        if t.is_cuda or t.dtype != torch.float32 or (grad and t.requires_grad):
+            return False
+    if weight is not None and (
+        weight.is_cuda
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or (grad and weight.requires_grad)
+    ):
+        return False
+    return prepare_cpu_kernels()
 
 
 def paged_mla_decode_on_cpu(q_latent: Tensor, cache_scales: Tensor | None) -> bool:
