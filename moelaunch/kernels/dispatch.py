@@ -103,7 +103,7 @@ def paged_mla_decode(
 
 def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """Rows offsets[g]:offsets[g+1] of x [T, K] times weight[g].T ([G, N, K]) -> [T, N]: the CPU kernel
-    where `uses_grouped_linear_kernel` says so, else its torch twin."""
+    where `selection.grouped_linear_on_cpu` says so, else its torch twin."""
     fn = linear_cpu.grouped_linear_cpu if grouped_linear_on_cpu(x, weight) else linear_ref.grouped_linear_ref
     return fn(x, weight, offsets)
 
