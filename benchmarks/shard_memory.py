@@ -2,12 +2,13 @@
 
     python -m benchmarks.shard_memory [--ckpt DIR] [--layouts single,tp2,dp2,tp2xdp2,pp2,full]
 
-Writes (once) a random DeepSeek-V3-shaped HF checkpoint of about 450 MB fp32 to --ckpt, then starts
-one job per layout: `full` and `single` as one process, the others under torchrun, e.g.
+Writes (once) a random DeepSeek-V3-shaped HF checkpoint of about 450 MB fp32 to --ckpt (the
+"shard-memory" shape of `moelaunch.measure.random_checkpoint`), then starts one job per layout: `full`
+and `single` as one process, the others under torchrun, e.g.
     python -m torch.distributed.run --standalone --nproc-per-node 4 \\
         -m benchmarks.shard_memory --worker tp2xdp2 --ckpt DIR --result FILE
 Each rank reports the checkpoint bytes it read, the bytes of parameters it holds, its peak RSS
-(ru_maxrss) during the load and its RSS once every weight has been read once (safetensors maps the
+(VmHWM) during the load and its RSS once every weight has been read once (safetensors maps the
 file, so weights become resident on first use), both minus its RSS right before loading, so torch's
 import footprint is left out.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 
 from moelaunch.cluster.rendezvous import RankEnv, init_distributed
+from moelaunch.engine.memory import peak_rss_bytes, process_memory
+from moelaunch.measure.random_checkpoint import write_random_checkpoint
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.loading import load_model
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
@@ -43,48 +45,6 @@ LAYOUTS: dict[str, tuple[int, int, int]] = {
     "tp2xdp2": (2, 1, 2),
     "pp2": (1, 2, 1),
 }
-# DeepSeek-V3's structure (MLA with q_lora, 1 dense + 3 MoE layers, shared expert, grouped routing) at
-# a width that makes ~113M parameters, ~450 MB in fp32; every size splits over tp=2 and ep=4.
-CONFIG: dict[str, Any] = dict(
-    vocab_size=8192,
-    hidden_size=1024,
-    intermediate_size=2816,
-    moe_intermediate_size=512,
-    num_hidden_layers=4,
-    first_k_dense_replace=1,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    n_routed_experts=16,
-    n_shared_experts=1,
-    num_experts_per_tok=4,
-    n_group=4,
-    topk_group=2,
-    q_lora_rank=384,
-    kv_lora_rank=256,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=64,
-    max_position_embeddings=1024,
-)
-
-
-def write_checkpoint(path: Path) -> None:
-    """A random DeepseekV3ForCausalLM saved by transformers, so names and shapes are HF's own."""
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**CONFIG))
-    model.save_pretrained(path)
-
-
-def rss_now() -> dict[str, int]:
-    """Resident bytes now: VmRSS, and its RssAnon / RssFile parts (ru_maxrss only gives the peak)."""
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile")}
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def build_mesh(layout: str) -> ParallelMesh:
@@ -113,11 +73,11 @@ def worker(layout: str, ckpt: str, result: Path) -> None:
     mesh = None if layout == "full" else build_mesh(layout)
     warm_up_imports()
     gc.collect()
-    before, peak_before = rss_now(), peak_rss()
+    before, peak_before = process_memory("VmRSS", "RssFile"), peak_rss_bytes()
     model = load_model(ckpt) if mesh is None else load_shard(ckpt, mesh)
-    load_peak = peak_rss()
+    load_peak = peak_rss_bytes()
     touch(model)
-    after = rss_now()
+    after = process_memory("VmRSS", "RssFile")
     mine = {
         "rank": env.rank,
         "bytes_read": model.checkpoint_bytes_read,
@@ -172,7 +132,6 @@ def main() -> None:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {list(LAYOUTS)}")
     p.add_argument("--worker", choices=list(LAYOUTS), help=argparse.SUPPRESS)  # set by launch()
     p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
-    p.add_argument("--write", action="store_true", help=argparse.SUPPRESS)  # write the checkpoint only
     a = p.parse_args()
     unknown = set(a.layouts.split(",")) - set(LAYOUTS)
     if unknown:
@@ -180,14 +139,8 @@ def main() -> None:
     if a.worker:
         worker(a.worker, str(a.ckpt), a.result)
         return
-    if a.write:
-        write_checkpoint(a.ckpt)
-        return
     if not (a.ckpt / "config.json").exists():
-        # In a child: Linux carries ru_maxrss over fork+exec, so a big driver would inflate every worker's.
-        subprocess.run(
-            [sys.executable, "-m", "benchmarks.shard_memory", "--write", "--ckpt", str(a.ckpt)], check=True
-        )
+        write_random_checkpoint(a.ckpt, "shard-memory")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layout in a.layouts.split(","):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from error_bounds import assert_within, dot_logit_error, softmax_average_error
-from tiny_models import V3_BASE
 
+from moelaunch.measure.random_checkpoint import SHAPES
 from moelaunch.model.attention import MLA, PREFILL_QUERY_BLOCK, causal_mask
 from moelaunch.model.config import args_from_hf_config
 
@@ -23,7 +23,7 @@ from moelaunch.model.config import args_from_hf_config
 )
 def test_blocked_causal_attention_equals_one_masked_softmax(n_queries, n_keys):
     torch.manual_seed(n_queries + n_keys)
-    args = args_from_hf_config(V3_BASE)
+    args = args_from_hf_config(SHAPES["tiny"])
     mla = MLA(args).requires_grad_(False)
     torch.nn.init.normal_(mla.kv_b_proj.weight, std=0.3)
     heads, nope, rope = mla.n_heads, mla.nope_dim, mla.rope_dim

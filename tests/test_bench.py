@@ -10,8 +10,8 @@ import pytest
 
 from moelaunch.launcher.cli import main
 from moelaunch.measure.bench.metrics import CaseRun, RequestTiming, summarize
-from moelaunch.measure.bench.model import BENCH_CONFIG
 from moelaunch.measure.bench.suite import BenchOptions, build_cases
+from moelaunch.measure.random_checkpoint import SHAPES
 
 METRICS = {
     "requests", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "total_tok_s", "decode_tok_s",
@@ -34,7 +34,7 @@ def test_bench_model_fits_vllm_cpu_mla(bench_model):
     config = json.loads((path / "config.json").read_text())
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
     assert (config["topk_method"], config["scoring_func"]) == ("noaux_tc", "sigmoid")
-    assert config["hidden_size"] == BENCH_CONFIG["hidden_size"] and (path / "tokenizer.json").exists()
+    assert config["hidden_size"] == SHAPES["bench"]["hidden_size"] and (path / "tokenizer.json").exists()
 
 
 def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):

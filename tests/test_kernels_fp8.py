@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moelaunch import kernels
-from moelaunch.kernels import dispatch
 from moelaunch.kernels import fp8_reference as ref
+from moelaunch.kernels import selection
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_DTYPE, FP8_MAX
 
 needs_interpreter = pytest.mark.skipif(
@@ -300,5 +300,5 @@ def test_dispatch_uses_triton_when_asked_on_cpu(monkeypatch, tri):
 
 def test_dispatch_sends_cuda_tensors_to_triton(monkeypatch):
     monkeypatch.delenv("MOELAUNCH_TRITON_ON_CPU", raising=False)
-    assert dispatch.use_triton(SimpleNamespace(is_cuda=True))
-    assert not dispatch.use_triton(torch.zeros(1))
+    assert selection.use_triton(SimpleNamespace(is_cuda=True))
+    assert not selection.use_triton(torch.zeros(1))

@@ -11,7 +11,7 @@ from error_bounds import assert_within, matmul_error
 from moelaunch import kernels
 from moelaunch.kernels import grouped_linear_cpu
 from moelaunch.kernels import grouped_linear_reference as ref
-from moelaunch.kernels.dispatch import LINEAR_KERNEL_MAX_ROWS
+from moelaunch.kernels.selection import LINEAR_KERNEL_MAX_ROWS
 
 IMPLEMENTATIONS = {"cpu": grouped_linear_cpu.grouped_linear_cpu, "reference": ref.grouped_linear_ref}
 

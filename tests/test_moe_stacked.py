@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 from error_bounds import gamma
-from tiny_models import V3_BASE
 
+from moelaunch.measure.random_checkpoint import SHAPES
 from moelaunch.model.config import args_from_hf_config
 from moelaunch.model.moe import STACKED_MAX_ROWS, MoE
 
 
 def _random_moe(seed: int) -> MoE:
     torch.manual_seed(seed)
-    moe = MoE(args_from_hf_config({**V3_BASE, "n_group": 1, "topk_group": 1}))
+    moe = MoE(args_from_hf_config({**SHAPES["tiny"], "n_group": 1, "topk_group": 1}))
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.2)

@@ -2,7 +2,8 @@
 on the CPU C++ kernels for paged MLA decode, few-row linears and the fused per-token steps
 (`kernels/fused.py`), torch references for the rest.
 
-The choice is made per call by `moelaunch.kernels.dispatch` (`int_dispatch` for the INT8/INT4 ones).
+`selection` says which implementation runs a call, from its tensors' device, dtype and layout; the entry
+points (`dispatch`, `int_dispatch`, `fused`) ask it on every call.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ from moelaunch.kernels.dispatch import (
     grouped_linear,
     linear,
     paged_mla_decode,
-    prepare_cpu_kernels,
-    use_triton,
-    uses_grouped_linear_kernel,
     weight_dequant,
     weight_quant,
 )
@@ -34,6 +32,7 @@ from moelaunch.kernels.int_dispatch import (
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
+from moelaunch.kernels.selection import prepare_cpu_kernels, use_triton, uses_grouped_linear_kernel
 
 __all__ = [
     "BLOCK_SIZE",

@@ -1,36 +1,29 @@
-"""Device-based choice between the Triton kernels and the torch references.
-
-CUDA tensors go to Triton. CPU tensors go to the references, unless MOELAUNCH_TRITON_ON_CPU=1 and
-TRITON_INTERPRET=1 are both set, which runs the Triton kernels in the interpreter (for tests). Paged MLA
-decode and few-row linear layers have C++ kernels for the CPU, used when they build
-(MOELAUNCH_CPU_KERNELS=0 keeps the torch paths).
+"""The FP8, paged MLA decode and plain linear entry points: each call runs the implementation that
+`selection` picks for its tensors (Triton, the C++ CPU kernels or the torch reference).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension
 from moelaunch.kernels import fp8_reference as ref
 from moelaunch.kernels import grouped_linear_cpu as linear_cpu
 from moelaunch.kernels import grouped_linear_reference as linear_ref
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as mla_ref
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE
-from moelaunch.kernels.triton_interpreter import interpreting
-
-
-def use_triton(t: Tensor) -> bool:
-    if t.is_cuda:
-        return True
-    return os.environ.get("MOELAUNCH_TRITON_ON_CPU") == "1" and interpreting()
+from moelaunch.kernels.selection import (
+    grouped_linear_on_cpu,
+    paged_mla_decode_on_cpu,
+    use_triton,
+    uses_grouped_linear_kernel,
+)
 
 
 def _triton() -> ModuleType:
@@ -88,12 +81,6 @@ def _mla_triton() -> ModuleType:
     return mla_decode_triton
 
 
-def prepare_cpu_kernels() -> bool:
-    """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
-    decode step does not stall while peers wait in a collective. True when they are usable."""
-    return cpu_extension.module() is not None
-
-
 def paged_mla_decode(
     q_latent: Tensor,
     q_pe: Tensor,
@@ -109,42 +96,15 @@ def paged_mla_decode(
     args = (q_latent, q_pe, cache, block_table, seq_lens, scale)
     if use_triton(q_latent):
         return _mla_triton().paged_mla_decode_triton(*args, cache_scales, starts)
-    # The C++ kernel reads fp32 and bf16 caches; fp8 ones take the reference.
-    if cache_scales is None and prepare_cpu_kernels():
+    if paged_mla_decode_on_cpu(q_latent, cache_scales):
         return mla_cpu.paged_mla_decode_cpu(*args, starts)
     return mla_ref.paged_mla_decode_ref(*args, cache_scales, starts)
 
 
-# Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
-# it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
-LINEAR_KERNEL_MAX_ROWS = 32
-
-
-def uses_grouped_linear_kernel(
-    x: Tensor, max_rows: int, weight: Tensor, row_limit: int = LINEAR_KERNEL_MAX_ROWS
-) -> bool:
-    """Whether `linear`/`grouped_linear` take the CPU kernel for groups of at most `max_rows` rows.
-
-    Callers with a different trade-off pass their own `row_limit` (grouped experts: the alternative
-    pads every group to the largest). Never under autograd (the kernel has no backward).
-    """
-    return max_rows <= row_limit and _cpu_kernel_takes(x, weight)
-
-
-def _cpu_kernel_takes(x: Tensor, weight: Tensor) -> bool:
-    return (
-        not x.is_cuda
-        and x.dtype == torch.float32
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and prepare_cpu_kernels()
-    )
-
-
 def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     """Rows offsets[g]:offsets[g+1] of x [T, K] times weight[g].T ([G, N, K]) -> [T, N]: the CPU kernel
-    where `uses_grouped_linear_kernel` says so, else its torch twin."""
-    fn = linear_cpu.grouped_linear_cpu if _cpu_kernel_takes(x, weight) else linear_ref.grouped_linear_ref
+    where `selection.grouped_linear_on_cpu` says so, else its torch twin."""
+    fn = linear_cpu.grouped_linear_cpu if grouped_linear_on_cpu(x, weight) else linear_ref.grouped_linear_ref
     return fn(x, weight, offsets)
 
 

@@ -1,6 +1,6 @@
 """The small per-token steps around the big products (RMSNorm, rotary embedding, SiLU gating, the
-routed experts' weighted sum): csrc/fused_cpu.cpp on fp32 CPU tensors outside autograd, the torch
-references in `fused_reference` everywhere else.
+routed experts' weighted sum): csrc/fused_cpu.cpp where `selection` says so (fp32 CPU tensors outside
+autograd), the torch references in `fused_reference` everywhere else.
 
 `mla_latent` and `rotate_tail` may work in place on their input and return it: callers must use the
 returned tensor and not the input's old values.
@@ -8,24 +8,15 @@ returned tensor and not the input's old values.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension
+from moelaunch.kernels import cpu_extension, selection
 from moelaunch.kernels import fused_reference as ref
-
-
-def _on_cpu_kernel(*tensors: Tensor) -> bool:
-    grad = torch.is_grad_enabled()
-    return (
-        all(not t.is_cuda and t.dtype == torch.float32 and not (grad and t.requires_grad) for t in tensors)
-        and cpu_extension.module() is not None
-    )
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over x's last dimension."""
-    if x.dim() >= 2 and x.stride(-1) == 1 and _on_cpu_kernel(x, weight):
+    if selection.rms_norm_on_cpu(x, weight):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return cpu_extension.require().rms_norm_cpu(rows, weight.contiguous(), eps).view(x.shape)
     return ref.rms_norm_ref(x, weight, eps)
@@ -35,7 +26,7 @@ def mla_latent(
     latent: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, interleaved: bool
 ) -> Tensor:
     """latent [T, C + P] -> [rms_norm(first C columns) | last P columns rotated by tables [T, P/2]]."""
-    if latent.stride(-1) == 1 and _on_cpu_kernel(latent, weight, cos, sin):
+    if selection.mla_latent_on_cpu(latent, weight, cos, sin):
         return cpu_extension.require().mla_latent_cpu(
             latent, weight.contiguous(), eps, cos.contiguous(), sin.contiguous(), interleaved
         )
@@ -44,22 +35,21 @@ def mla_latent(
 
 def rotate_tail(x: Tensor, cos: Tensor, sin: Tensor, p: int, interleaved: bool) -> Tensor:
     """x [T, H, D] with the last p columns of every head rotated by tables [T, p/2]."""
-    if x.stride(-1) == 1 and _on_cpu_kernel(x, cos, sin):
+    if selection.rotate_tail_on_cpu(x, cos, sin):
         return cpu_extension.require().rotate_tail_cpu(x, cos.contiguous(), sin.contiguous(), p, interleaved)
     return ref.rotate_tail_ref(x, cos, sin, p, interleaved)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for [T, I] inputs."""
-    if gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and _on_cpu_kernel(gate, up):
+    if selection.silu_mul_on_cpu(gate, up):
         return cpu_extension.require().silu_mul_cpu(gate, up)
     return ref.silu_mul_ref(gate, up)
 
 
 def moe_combine(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None = None) -> Tensor:
     """base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D] expert outputs, slot/weights [T, K]."""
-    tensors = (y, weights) if base is None else (y, weights, base)
-    if _on_cpu_kernel(*tensors) and (base is None or base.stride(-1) == 1):
+    if selection.moe_combine_on_cpu(y, weights, base):
         return cpu_extension.require().moe_combine_cpu(
             y.contiguous(), slot.long().contiguous(), weights.contiguous(), base
         )

@@ -1,8 +1,5 @@
-"""Device-based choice for the INT8 / INT4 weight kernels, by the rule of `dispatch.use_triton`: Triton on
-CUDA (or in the interpreter when asked), the torch references on the CPU.
-
-Quantizing weights happens once (conversion, or load) and is not on the hot path: the references serve
-every device there.
+"""The INT8 / INT4 weight entry points: Triton or the torch reference, as `selection.use_triton` says;
+quantizing and dequantizing weights (conversion, load) always take the references.
 """
 
 from __future__ import annotations
@@ -14,8 +11,8 @@ from torch import Tensor
 
 from moelaunch.kernels import int4_reference as int4_ref
 from moelaunch.kernels import int8_reference as int8_ref
-from moelaunch.kernels.dispatch import use_triton
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
+from moelaunch.kernels.selection import use_triton
 
 
 def _int8_triton() -> ModuleType:

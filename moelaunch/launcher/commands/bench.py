@@ -163,9 +163,9 @@ def check_bench_args(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.make_model:
-        from moelaunch.measure.bench.model import make_bench_model
+        from moelaunch.measure.random_checkpoint import write_random_checkpoint
 
-        print(f"bench model written to {make_bench_model(args.make_model)}")
+        print(f"bench model written to {write_random_checkpoint(args.make_model, 'bench', tokenizer=True)}")
         return 0
     if args.rounds < 1:
         raise ValueError(f"--rounds {args.rounds}: give 1 or more")

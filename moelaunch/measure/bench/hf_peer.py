@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from moelaunch.measure.bench.metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
+from moelaunch.engine.memory import peak_rss_bytes, reset_peak_rss
+from moelaunch.measure.bench.metrics import MB, CaseRun, RequestTiming
 from moelaunch.measure.bench.workloads import BenchRequest, Case
 
 
@@ -69,4 +70,4 @@ def run_case(model: Any, case: Case, max_batch: int) -> CaseRun:
     timings = []
     for b in range(0, len(case.requests), size):
         timings += _run_batch(model, case.requests[b : b + size], start)
-    return CaseRun(timings, time.perf_counter() - start, peak_rss_mb())
+    return CaseRun(timings, time.perf_counter() - start, peak_rss_bytes() / MB)

@@ -3,12 +3,11 @@
 Every request of a case arrives when the case starts. TTFT: arrival to first token. TPOT: time per
 output token after the first. decode tok/s: for a case whose B requests decode together, B / TPOT,
 the generation rate once prefill is over (the target figure). Peak memory: the process's peak RSS
-during the case (Linux VmHWM, reset before each case), model weights included.
+during the case (Linux VmHWM, reset before each case: `engine.memory`), model weights included.
 """
 
 from __future__ import annotations
 
-import resource
 import statistics
 from dataclasses import dataclass
 
@@ -22,32 +21,14 @@ class RequestTiming:
     output_tokens: int
 
 
+MB = 1 << 20
+
+
 @dataclass
 class CaseRun:
     timings: list[RequestTiming]
     seconds: float
     peak_rss_mb: float
-
-
-def reset_peak_rss() -> bool:
-    """Restart VmHWM at the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux; since process start
 
 
 def summarize(run: CaseRun, batch_size: int | None) -> dict[str, float | int | None]:

@@ -7,8 +7,9 @@ import time
 
 from moelaunch.engine.drive import Request, drive
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.memory import peak_rss_bytes, reset_peak_rss
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.measure.bench.metrics import CaseRun, RequestTiming, peak_rss_mb, reset_peak_rss
+from moelaunch.measure.bench.metrics import MB, CaseRun, RequestTiming
 from moelaunch.measure.bench.workloads import Case
 
 
@@ -28,4 +29,4 @@ def run_case(llm: LLM, case: Case) -> CaseRun:
                 timings.append(
                     RequestTiming(start, m.first_token, m.finished, len(out.prompt_token_ids), n_out)
                 )
-    return CaseRun(timings, time.perf_counter() - start, peak_rss_mb())
+    return CaseRun(timings, time.perf_counter() - start, peak_rss_bytes() / MB)

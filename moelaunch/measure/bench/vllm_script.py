@@ -22,6 +22,8 @@ def _processes() -> list[int]:
     return [me.pid, *(p.pid for p in me.children(recursive=True))]
 
 
+# Its own /proc readers rather than `engine.memory`'s: this venv cannot import moelaunch, and the peak
+# here sums vLLM's processes.
 def _reset_peak_rss() -> None:
     for pid in _processes():
         try:

