@@ -26,8 +26,8 @@ from moelaunch.tools.checkpoint_writer import (
 from moelaunch.tools.distill_data import DistillBatch, DistillData
 from moelaunch.tools.distill_student import kept_layers, student_config, student_tensors
 from moelaunch.tools.expert_pruning import count_expert_usage
+from moelaunch.training.checkpoint import checkpoint_tensors
 from moelaunch.training.loop import LoopConfig, TrainingLoop
-from moelaunch.training.small_model.export import checkpoint_tensors
 
 STATE_FILE = "distill_state.pt"
 DEFAULT_TRAIN = LoopConfig(steps=300, batch=64, lr=1e-3, warmup=30, save_every=100)
