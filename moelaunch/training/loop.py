@@ -18,11 +18,13 @@ from moelaunch.model.transformer import Transformer
 
 @dataclass(kw_only=True)
 class LoopConfig:
+    """A run's settings; `batch` and `seed` are for the caller's data, which the loop only consumes."""
+
     steps: int
     batch: int  # rows per step
     lr: float
     warmup: int
-    seed: int = 0
+    seed: int = 0  # draws the data
     bias_step: float = 2e-3  # gamma of the balancing update
     log_every: int = 50
     save_every: int = 500
