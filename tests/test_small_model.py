@@ -89,7 +89,7 @@ def test_accuracy_through_the_engine():
         with ExpertLoad(llm.engine.model) as load:
             single = ask(llm, [(p,) for p in held_out_sample(200)])
         later = [a for a in ask(llm, conversations_sample(150)) if a.turn > 1]
-        acceptance = llm.engine.spec_stats.acceptance
+        acceptance = llm.engine.stats.spec_acceptance
     finally:
         llm.shutdown()
     assert accuracy(single) >= SINGLE_FLOOR, [(a.problem.prompt, a.output) for a in single if not a.correct]

@@ -45,9 +45,9 @@ def test_mtp_greedy_output_equals_plain_greedy_with_real_and_oracle_drafts(check
                     r.draft = [ref[at]]
 
         runner._draft = oracle
-        before = engine.spec_stats.accepted
+        before = engine.stats.spec_accepted
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
-        assert engine.spec_stats.accepted - before >= 10
+        assert engine.stats.spec_accepted - before >= 10
 
 
 def test_draft_verification_keeps_the_sampling_distribution():

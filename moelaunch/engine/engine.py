@@ -68,16 +68,6 @@ class SeqUpdate:
 
 
 @dataclass
-class SpecStats:
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance(self) -> float | None:
-        return self.accepted / self.drafted if self.drafted else None
-
-
-@dataclass
 class _RequestState:
     request_id: str
     prompt: str | None
@@ -123,7 +113,8 @@ class LLMEngine:
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
         micro = self.config.micro_batches or mesh.shape.pp
         self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp)
-        self.spec_stats = SpecStats()
+        # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
+        self.drafted = self.accepted = 0
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
         self.seqs: dict[int, Sequence] = {}
         # Front-end state, meaningful on rank 0 only.
@@ -294,8 +285,8 @@ class LLMEngine:
             if reason:
                 break
         kept = len(result.tokens) - 1
-        self.spec_stats.drafted += len(chunk.draft)
-        self.spec_stats.accepted += kept
+        self.drafted += len(chunk.draft)
+        self.accepted += kept
         self.scheduler.computed(chunk, accepted_drafts=min(kept, len(updates) - 1))
         seq.draft = result.draft
         return updates
@@ -342,8 +333,8 @@ class LLMEngine:
             prompt_tokens_admitted=s.admitted_tokens,
             prefix_hit_tokens=blocks.stats.prefix_hit_tokens,
             preemptions=s.preemptions,
-            spec_drafted=self.spec_stats.drafted,
-            spec_accepted=self.spec_stats.accepted,
+            spec_drafted=self.drafted,
+            spec_accepted=self.accepted,
         )
 
     # ---- rank 0: turn updates into outputs ----

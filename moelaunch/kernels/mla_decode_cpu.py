@@ -1,7 +1,7 @@
 """Paged MLA decode on the CPU through the C++ kernel in csrc/mla_decode_cpu.cpp.
 
 The torch reference pads every row's cache into one dense tensor and reads it several times; at batch
-64 that copy was most of a decode step. The kernel reads each cached token once, from its block, with
+64 that copy is most of a decode step. The kernel reads each cached token once, from its block, with
 an online softmax.
 """
 

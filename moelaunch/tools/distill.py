@@ -2,13 +2,12 @@
 distribution (KL divergence on temperature-softened logits, for the main head and the MTP layer) and,
 with `features`, the teacher's hidden states after each kept layer (MSE relative to their size).
 
-The state (student weights, optimizer, step) is saved in OUT every `save_every` steps; `resume`
-continues from it and reaches the same weights as an uninterrupted run.
+The state (student weights, optimizer, step) is saved in OUT every `save_every` steps and at the end;
+`resume` continues from it and reaches the same weights as an uninterrupted run.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 
 from moelaunch.model import CheckpointReader, Transformer, load_model
 from moelaunch.model.checkpoint import check_new_checkpoint_dir
-from moelaunch.model.expert_load import ExpertLoad
 from moelaunch.tools.calibration import calibration_sequences
 from moelaunch.tools.checkpoint_writer import (
     read_config,
@@ -28,13 +26,11 @@ from moelaunch.tools.checkpoint_writer import (
 from moelaunch.tools.distill_data import DistillBatch, DistillData
 from moelaunch.tools.distill_student import kept_layers, student_config, student_tensors
 from moelaunch.tools.expert_pruning import count_expert_usage
-from moelaunch.training.small_model.export import checkpoint_tensors
-from moelaunch.training.small_model.train import TrainConfig, balance_experts, lr_at
+from moelaunch.training.checkpoint import checkpoint_tensors
+from moelaunch.training.loop import LoopConfig, TrainingLoop
 
 STATE_FILE = "distill_state.pt"
-# Steps, batch, learning-rate schedule, seed, MTP weight and expert balancing, in the bundled model's
-# training settings (its `out` is unused: the student goes to DistillConfig.out).
-DEFAULT_TRAIN = TrainConfig(out=Path(), steps=300, batch=64, lr=1e-3, warmup=30, save_every=100)
+DEFAULT_TRAIN = LoopConfig(steps=300, batch=64, lr=1e-3, warmup=30, save_every=100)
 
 
 @dataclass
@@ -48,9 +44,10 @@ class DistillConfig:
     resume: bool = False
     temperature: float = 2.0
     feature_weight: float = 1.0
+    mtp_weight: float = 0.3
     n_group: int | None = None
     topk_group: int | None = None
-    train: TrainConfig = field(default_factory=lambda: replace(DEFAULT_TRAIN))
+    train: LoopConfig = field(default_factory=lambda: replace(DEFAULT_TRAIN))
 
     def identity(self) -> dict[str, object]:
         """What a resumed run must share with the run that saved the state."""
@@ -112,6 +109,9 @@ class StepLosses:
     mtp: torch.Tensor
     features: torch.Tensor
 
+    def logged(self) -> dict[str, torch.Tensor]:
+        return {"loss": self.total, "kl": self.kl, "mtp": self.mtp, "features": self.features}
+
 
 class Distiller:
     """The losses of one step: the student against the teacher on the same batch."""
@@ -142,7 +142,7 @@ class Distiller:
                 t_mtp = self.teacher.mtp_logits(t_hidden[:, :-1], batch.ids[:, 1:])[:, :-1]
             s_mtp = self.student.mtp_logits(s_hidden[:, :-1], batch.ids[:, 1:])[:, :-1]
             mtp = kl_loss(s_mtp[mtp_target], t_mtp[mtp_target], self.cfg.temperature)
-            total = total + self.cfg.train.mtp_weight * mtp
+            total = total + self.cfg.mtp_weight * mtp
         features = torch.zeros(())
         if self.cfg.features:
             valid = batch.valid.flatten()
@@ -157,15 +157,9 @@ class Distiller:
         return StepLosses(total, kl, mtp, features)
 
 
-def _save_state(cfg: DistillConfig, step: int, student: Transformer, opt: torch.optim.Optimizer) -> None:
+def _save_state(cfg: DistillConfig, loop: TrainingLoop) -> None:
     tmp = cfg.out / (STATE_FILE + ".tmp")
-    state = {
-        "step": step,
-        "identity": cfg.identity(),
-        "student": student.state_dict(),
-        "optimizer": opt.state_dict(),
-    }
-    torch.save(state, tmp)
+    torch.save({"identity": cfg.identity(), **loop.state_dict()}, tmp)
     tmp.replace(cfg.out / STATE_FILE)  # a crash while saving leaves the previous state whole
 
 
@@ -183,7 +177,7 @@ def _load_state(cfg: DistillConfig) -> dict[str, Any]:
     return state
 
 
-def distill(cfg: DistillConfig, log_every: int = 50) -> list[float]:
+def distill(cfg: DistillConfig) -> list[float]:
     """Run the distillation; returns the total loss of each step this run made."""
     config = check_config(cfg)
     state = _load_state(cfg) if cfg.resume else None
@@ -191,40 +185,14 @@ def distill(cfg: DistillConfig, log_every: int = 50) -> list[float]:
     if state is None:
         init_student(cfg, teacher, config)
     student = load_model(cfg.out).train().requires_grad_(True)
-    train = cfg.train
-    opt = torch.optim.AdamW(student.parameters(), lr=train.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    loop = TrainingLoop(student, cfg.train)
     if state is not None:
-        student.load_state_dict(state["student"])
-        opt.load_state_dict(state["optimizer"])
-    start = 0 if state is None else state["step"]
-    data = DistillData(cfg.teacher, cfg.prompts, train.batch, train.seed)
+        loop.load_state_dict(state)
+    data = DistillData(cfg.teacher, cfg.prompts, cfg.train.batch, cfg.train.seed)
+    batches = map(data.batch_at, range(loop.step, cfg.train.steps))
     distiller = Distiller(cfg, teacher, student)
-    load = ExpertLoad(student)
-    history = []
-    began = time.time()
-    with load:
-        for step in range(start, train.steps):
-            batch = data.batch_at(step)
-            load.reset()
-            load.valid = batch.valid
-            losses = distiller.losses(batch)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, train)
-            opt.zero_grad(set_to_none=True)
-            losses.total.backward()
-            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-            opt.step()
-            balance_experts(student, load, train.bias_step)
-            history.append(losses.total.item())
-            if step % log_every == 0 or step == train.steps - 1:
-                print(
-                    f"step {step} loss {losses.total.item():.4f} kl {losses.kl.item():.4f} "
-                    f"mtp {losses.mtp.item():.4f} features {losses.features.item():.4f} "
-                    f"lr {lr_at(step, train):.2e} {time.time() - began:.0f}s",
-                    flush=True,
-                )
-            if (step + 1) % train.save_every == 0 or step == train.steps - 1:
-                _save_state(cfg, step + 1, student, opt)
+    history = loop.run(batches, distiller.losses, lambda: _save_state(cfg, loop))
+    _save_state(cfg, loop)
     tensors = checkpoint_tensors(student.eval(), _stored_dtype(cfg.teacher))
     write_checkpoint(cfg.teacher, cfg.out, tensors, config)
     return history

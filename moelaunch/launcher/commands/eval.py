@@ -42,7 +42,7 @@ def _print_table(title: str, rows: dict[str, tuple[int, int]]) -> None:
         print(f"  {name:12s} {right:4d}/{total:<4d} {right / total:.3f}")
 
 
-def report(answers: list[Answer], multi_turn: bool) -> None:
+def print_accuracy(answers: list[Answer], multi_turn: bool) -> None:
     _print_table("per skill", tally(answers, lambda a: a.problem.kind))
     _print_table("per form", tally(answers, lambda a: a.problem.form))
     if multi_turn:
@@ -82,12 +82,12 @@ def run(args: argparse.Namespace) -> int:
             answers = ask(llm, conversations)
     finally:
         llm.shutdown()
-    report(answers, args.multi_turn)
+    print_accuracy(answers, args.multi_turn)
     print("expert load, max/mean tokens per expert (1.00 is even):")
     n_layers = llm.engine.model.args.num_hidden_layers
     for name, ratio in load.imbalance().items():
         print(f"  {_layer(name, n_layers)}: {ratio:.2f}")
-    acceptance = llm.engine.spec_stats.acceptance
+    acceptance = llm.engine.stats.spec_acceptance
     print(
         "MTP draft acceptance: "
         + ("n/a (no MTP weights in the checkpoint)" if acceptance is None else f"{acceptance:.4f}")

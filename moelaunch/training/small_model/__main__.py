@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
         help="steps of balancing the routing bias on an even mix of kinds after training",
     )
     p.add_argument("--tiny", action="store_true", help="a toy-sized model, for a smoke run")
-    # Results depend on the thread count, so it is fixed; the shipped model was trained with two (this
-    # machine's cores), which nearly halves a step's time against one on an otherwise idle machine.
+    # Results depend on the thread count, so it is fixed: the shipped checkpoint's recipe uses two, which
+    # nearly halves a step's time against one.
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (fixed for reproducibility)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)

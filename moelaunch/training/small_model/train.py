@@ -23,28 +23,25 @@ from moelaunch.model.norm import RMSNorm
 from moelaunch.model.transformer import Transformer
 from moelaunch.tasks.problem_sets import EVEN_MIX, training_conversations
 from moelaunch.text.tokenizer import Tokenizer
+from moelaunch.training.loop import LoopConfig, TrainingLoop, balance_experts
 from moelaunch.training.small_model.data import Batch, packed_batches
 from moelaunch.training.small_model.export import save_checkpoint
 from moelaunch.training.small_model.model_config import hf_config
 from moelaunch.training.small_model.tokenizer import build_tokenizer, tokenizer_config
 
 
-@dataclass
-class TrainConfig:
+@dataclass(kw_only=True)
+class TrainConfig(LoopConfig):
     out: Path
     steps: int = 4700
     batch: int = 8  # rows of packed conversations per step
-    width: int = 512  # tokens per row: the longest six-turn conversation fits
-    single_turn_steps: int = 3000  # the first steps: single questions in rows a quarter as wide
     lr: float = 2e-3
     warmup: int = 100
+    width: int = 512  # tokens per row: the longest six-turn conversation fits
+    single_turn_steps: int = 3000  # the first steps: single questions in rows a quarter as wide
     mtp_weight: float = 0.3
-    bias_step: float = 2e-3  # gamma of the balancing update
     routing_steps: int = 400  # then the routing bias alone, balanced on an even mix of kinds
-    seed: int = 0
     tiny: bool = False
-    log_every: int = 50
-    save_every: int = 500  # also write the checkpoint mid-run, to inspect a long run early
 
 
 def init_weights(model: Transformer, std: float = 0.02) -> None:
@@ -67,8 +64,18 @@ def init_weights(model: Transformer, std: float = 0.02) -> None:
             module.e_score_correction_bias.zero_()
 
 
-def losses(model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(main loss, MTP loss, per answer whether the main model predicts all of it)."""
+@dataclass
+class AnswerLosses:
+    main: torch.Tensor  # next-token loss on the answers
+    mtp: torch.Tensor  # the MTP layer's next-next-token loss
+    total: torch.Tensor  # what the step minimises
+    exact: torch.Tensor  # [answers] bool: whether the main model predicts all of each answer
+
+    def logged(self) -> dict[str, torch.Tensor]:
+        return {"loss": self.main, "mtp": self.mtp}
+
+
+def losses(model: Transformer, batch: Batch, mtp_weight: float) -> AnswerLosses:
     hidden = model.hidden_states(batch.ids)
     logits = model.lm_head(hidden).float()
     target = batch.answer[:, 1:]
@@ -82,24 +89,34 @@ def losses(model: Transformer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     wrong = torch.zeros(len(batch.kinds)).index_add_(
         0, batch.segment[:, 1:][target], (~right[target]).float()
     )
-    return main, mtp, wrong == 0
+    return AnswerLosses(main, mtp, main + mtp_weight * mtp, wrong == 0)
 
 
-@torch.no_grad()
-def balance_experts(model: Transformer, load: ExpertLoad, step: float) -> None:
-    """Aux-loss-free balancing: raise the routing bias of under-loaded experts, lower the over-loaded."""
-    for name, gate in load.gates.items():
-        counts = load.counts[name].float()
-        gate.e_score_correction_bias += step * torch.sign(counts.mean() - counts)
+class ExactByKind:
+    """Teacher-forced exact match per kind since the last log line: a cheap view of progress."""
+
+    def __init__(self) -> None:
+        self.solved: Counter[str] = Counter()
+        self.seen: Counter[str] = Counter()
+
+    def add(self, kinds: list[str], exact: torch.Tensor) -> None:
+        self.seen.update(kinds)
+        self.solved.update(k for k, ok in zip(kinds, exact.tolist(), strict=True) if ok)
+
+    def since_last_line(self) -> str:
+        line = " | " + " ".join(f"{k} {self.solved[k] / self.seen[k]:.2f}" for k in sorted(self.seen))
+        self.solved.clear()
+        self.seen.clear()
+        return line
 
 
 @torch.no_grad()
 def balance_routing_for_even_mix(model: Transformer, tok: Tokenizer, cfg: TrainConfig) -> None:
     """During training the balancing bias follows the training mix, which favours the hard kinds, in
-    packed rows; asked every kind alike, one chat at a time (a chat's traffic, the held-out sets), the
-    first MoE layer's load was then 1.33-1.37 max/mean. So training ends with the balancing update
-    alone (weights frozen) on that traffic: single questions and conversations in turn, each alone in
-    its row, the step shrinking to zero so that the bias settles instead of stepping to and fro."""
+    packed rows, so it leaves the experts unevenly loaded on a chat's traffic: every kind alike, one
+    chat at a time, as in the held-out sets. So training ends with the balancing update alone (weights
+    frozen) on that traffic: single questions and conversations in turn, each alone in its row, the
+    step shrinking to zero so that the bias settles instead of stepping to and fro."""
     single = training_conversations(cfg.seed + 2, max_turns=1, mix=EVEN_MIX)
     chats = training_conversations(cfg.seed + 3, mix=EVEN_MIX)
     batches = (
@@ -113,15 +130,7 @@ def balance_routing_for_even_mix(model: Transformer, tok: Tokenizer, cfg: TrainC
             load.reset()
             load.valid = batch.valid
             model.mtp_logits(model.hidden_states(batch.ids)[:, :-1], batch.ids[:, 1:])
-            balance_experts(model, load, cfg.bias_step * (1 - step / cfg.routing_steps))
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup, then cosine decay to a tenth."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+            balance_experts(load, cfg.bias_step * (1 - step / cfg.routing_steps))
 
 
 def curriculum(tok: Tokenizer, cfg: TrainConfig) -> Iterator[Batch]:
@@ -147,41 +156,19 @@ def train(cfg: TrainConfig) -> Transformer:
         f"model: {n_params / 1e6:.2f}M parameters; {cfg.steps} steps of {cfg.batch}x{cfg.width} tokens",
         flush=True,
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
-    data = curriculum(tok, cfg)
-    load = ExpertLoad(model)
+    exact = ExactByKind()
+
+    def step_losses(batch: Batch) -> AnswerLosses:
+        result = losses(model, batch, cfg.mtp_weight)
+        exact.add(batch.kinds, result.exact)
+        return result
+
+    def save() -> None:
+        save_checkpoint(model, config, hf_tok, cfg.out)
+
     start = time.time()
-    solved: Counter[str] = Counter()
-    seen: Counter[str] = Counter()
-    with load:
-        for step in range(cfg.steps):
-            batch = next(data)
-            load.reset()
-            load.valid = batch.valid
-            main, mtp, exact = losses(model, batch)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
-            opt.zero_grad(set_to_none=True)
-            (main + cfg.mtp_weight * mtp).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            balance_experts(model, load, cfg.bias_step)
-            seen.update(batch.kinds)
-            solved.update(k for k, ok in zip(batch.kinds, exact.tolist(), strict=True) if ok)
-            if step % cfg.log_every == 0 or step == cfg.steps - 1:
-                worst = max(load.imbalance().values())
-                # Teacher-forced exact match per kind since the last line: a cheap view of progress.
-                per_kind = " ".join(f"{k} {solved[k] / seen[k]:.2f}" for k in sorted(seen))
-                print(
-                    f"step {step} loss {main.item():.4f} mtp {mtp.item():.4f} max/mean load {worst:.2f} "
-                    f"lr {lr_at(step, cfg):.2e} {time.time() - start:.0f}s | {per_kind}",
-                    flush=True,
-                )
-                solved.clear()
-                seen.clear()
-            if (step + 1) % cfg.save_every == 0:
-                save_checkpoint(model, config, hf_tok, cfg.out)
+    TrainingLoop(model, cfg).run(curriculum(tok, cfg), step_losses, save, exact.since_last_line)
     balance_routing_for_even_mix(model, tok, cfg)
-    save_checkpoint(model, config, hf_tok, cfg.out)
+    save()
     print(f"wrote {cfg.out} after {time.time() - start:.0f}s", flush=True)
     return model
