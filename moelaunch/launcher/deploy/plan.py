@@ -142,10 +142,10 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     except ValueError as e:
         raise cfg.error("model", cfg.model, f"a DeepSeek checkpoint directory or config.json ({e})") from None
     p = cfg.parallel
-    mesh = MeshShape(dp=p.dp, pp=p.pp, tp=p.tp)
+    mesh = MeshShape(p.tp, p.dp, p.pp)
     _check_devices(cfg, mesh)
     try:
-        check_layout(args, mesh.tp, mesh.ep, mesh.pp)
+        check_layout(args, mesh)
     except LayoutError as e:
         raise LayoutError(
             f"{cfg.source}: parallel tp={p.tp} dp={p.dp} pp={p.pp} does not split the model: {e}"
@@ -289,7 +289,7 @@ def _rank_plan(
 ) -> RankPlan:
     """`shards` caches weight parts by (stage, experts held): ranks alike in both hold the same shapes,
     so one shard is built on the meta device for all of them."""
-    pp, dp, tp = mesh.coords(rank)
+    tp, dp, pp = mesh.coords(rank)
     ep = rank % mesh.ep  # position in its stage's EP group (dp-major, tp-minor)
     layers = stages[pp]
     experts = placement.experts_of(ep) if placement else []
