@@ -3,7 +3,7 @@ how much device memory it needs. Built from the deployment file and the model's 
 starts nothing, so `launch plan` can check a 671B deployment on a laptop.
 
 Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
-- weights: the tensors of the rank's shard as the real builder makes it (parallel.build_shard, on the meta
+- weights: the tensors of the rank's shard as the real builder makes it (parallel.MeshShard, on the meta
   device): its stage's layers; of those its 1/tp slice of attention heads (q_b, kv_b, o_proj), dense
   MLPs, shared experts and vocab (embedding on the first stage, lm_head on the last); its EP share of
   routed experts; and in full what every TP rank replicates (q_a and kv_a projections, norms, the router
