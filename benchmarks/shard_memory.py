@@ -30,18 +30,19 @@ import torch.distributed as dist
 from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.loading import load_model
+from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import load_shard
 
 MB = 1 << 20
 # name: (dp, pp, tp); "full" is a single process running the unsharded loader.
-LAYOUTS: dict[str, tuple[int, int, int]] = {
+LAYOUTS: dict[str, tuple[int, int, int]] = {  # (tp, dp, pp)
     "full": (1, 1, 1),
     "single": (1, 1, 1),
-    "tp2": (1, 1, 2),
-    "dp2": (2, 1, 1),
-    "tp2xdp2": (2, 1, 2),
-    "pp2": (1, 2, 1),
+    "tp2": (2, 1, 1),
+    "dp2": (1, 2, 1),
+    "tp2xdp2": (2, 2, 1),
+    "pp2": (1, 1, 2),
 }
 # DeepSeek-V3's structure (MLA with q_lora, 1 dense + 3 MoE layers, shared expert, grouped routing) at
 # a width that makes ~113M parameters, ~450 MB in fp32; every size splits over tp=2 and ep=4.
@@ -88,8 +89,7 @@ def peak_rss() -> int:
 
 
 def build_mesh(layout: str) -> ParallelMesh:
-    dp, pp, tp = LAYOUTS[layout]
-    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    shape = MeshShape(*LAYOUTS[layout])
     return ParallelMesh.build(shape, timeout_s=120) if shape.world > 1 else ParallelMesh.single()
 
 
@@ -114,7 +114,7 @@ def worker(layout: str, ckpt: str, result: Path) -> None:
     warm_up_imports()
     gc.collect()
     before, peak_before = rss_now(), peak_rss()
-    model = load_model(ckpt) if mesh is None else load_shard(ckpt, mesh)
+    model = load_model(ckpt) if mesh is None else load_shard(WeightSpec(ckpt), mesh)
     load_peak = peak_rss()
     touch(model)
     after = rss_now()
@@ -140,8 +140,7 @@ def worker(layout: str, ckpt: str, result: Path) -> None:
 
 
 def launch(layout: str, ckpt: Path, result: Path) -> list[dict[str, Any]]:
-    dp, pp, tp = LAYOUTS[layout]
-    world = dp * pp * tp
+    world = MeshShape(*LAYOUTS[layout]).world
     cmd = [sys.executable]
     if world > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
