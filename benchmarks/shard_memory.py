@@ -35,8 +35,8 @@ from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import load_shard
 
 MB = 1 << 20
-# name: (dp, pp, tp); "full" is a single process running the unsharded loader.
-LAYOUTS: dict[str, tuple[int, int, int]] = {  # (tp, dp, pp)
+# name: (tp, dp, pp); "full" is a single process running the unsharded loader.
+LAYOUTS: dict[str, tuple[int, int, int]] = {
     "full": (1, 1, 1),
     "single": (1, 1, 1),
     "tp2": (2, 1, 1),
