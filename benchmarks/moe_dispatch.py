@@ -1,12 +1,13 @@
-"""Expert-parallel dispatch/combine micro-benchmark: one ExpertParallelMoE layer with random weights.
+"""Expert-parallel dispatch/combine micro-benchmark: one MoE layer with random weights.
 
     torchrun --nproc-per-node N -m benchmarks.moe_dispatch [--tokens 256 --hidden 1024 --experts 16 ...]
     python -m benchmarks.moe_dispatch                       # EP=1, no process group
 
 Every rank routes its own --tokens tokens (DP attention style) through the layer, with ep = N ranks
-holding n_experts / N experts each. The EP group's all_to_all and the local expert compute are timed
-with perf_counter by thin subclasses (benchmark only), and the rows each all_to_all sends to *other*
-ranks are counted. Rank 0 prints a per-rank table and one JSON line.
+holding n_experts / N experts each (the all-to-all dispatcher; the local one at N = 1). The EP group's
+all_to_all and the local expert compute are timed with perf_counter by thin subclasses (benchmark
+only), and the rows each all_to_all sends to *other* ranks are counted. Rank 0 prints a per-rank
+table and one JSON line.
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ import torch.distributed as dist
 
 from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.model.config import ModelArgs, args_from_hf_config
-from moelaunch.parallel.expert_parallel import ExpertParallelMoE, ExpertPlacement
+from moelaunch.model.expert_dispatch import ExpertDispatch, LocalDispatch
+from moelaunch.model.moe import MoE
+from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
 from moelaunch.parallel.group import Group
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 
-# The all_to_all calls of one ExpertParallelMoE.routed, in call order.
-A2A_CALLS = ("dispatch", "dispatch_ids", "combine")
+# The all_to_all calls of one AllToAllDispatch, in call order (none under the local dispatcher).
+A2A_CALLS = ("dispatch", "combine")
 
 
 @dataclass
@@ -57,14 +60,14 @@ class TimedGroup(Group):
         self.calls, self.counts_seconds = [], 0.0
 
 
-class TimedMoE(ExpertParallelMoE):
-    """Adds up the time spent running the local experts on the rows that arrived."""
+class TimedMoE(MoE):
+    """Adds up the time spent running the local experts on the rows that reach them."""
 
     expert_seconds = 0.0
 
-    def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def run_grouped(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
         start = time.perf_counter()
-        out = super()._run_local(rows, expert_ids)
+        out = super().run_grouped(x_sorted, counts)
         self.expert_seconds += time.perf_counter() - start
         return out
 
@@ -122,7 +125,13 @@ def moe_args(a: argparse.Namespace) -> ModelArgs:
 
 def build_layer(args: ModelArgs, mesh: ParallelMesh) -> tuple[TimedMoE, TimedGroup]:
     ep = TimedGroup(mesh.ep.ranks, mesh.ep.index, mesh.ep.pg)
-    moe = TimedMoE(args, ExpertPlacement.contiguous(args.n_routed_experts, ep.size), ep, mesh.tp)
+    n = args.n_routed_experts
+    dispatch: ExpertDispatch = (
+        AllToAllDispatch(ExpertPlacement.contiguous(n, ep.size), ep, mesh.tp)
+        if ep.size > 1
+        else LocalDispatch(n)
+    )
+    moe = TimedMoE(args, dispatch)
     with torch.no_grad():
         for name, p in moe.named_parameters():
             # Seeded by name (experts by global id), so expert j has the same weights at every EP size.
@@ -142,10 +151,11 @@ def timed_forwards(moe: TimedMoE, ep: TimedGroup, x: torch.Tensor, warmup: int, 
         total = time.perf_counter() - start
         if i < warmup:
             continue
-        if len(ep.calls) != len(A2A_CALLS):  # the labels below rely on ExpertParallelMoE's call order
+        calls = ep.calls or [(0.0, 0)] * len(A2A_CALLS)  # the local dispatcher exchanges nothing
+        if len(calls) != len(A2A_CALLS):  # the labels below rely on AllToAllDispatch's call order
             raise RuntimeError(f"expected {len(A2A_CALLS)} all_to_all calls per forward, saw {len(ep.calls)}")
-        seconds = {label: s for label, (s, _) in zip(A2A_CALLS, ep.calls, strict=True)}
-        sent = {label: b for label, (_, b) in zip(A2A_CALLS, ep.calls, strict=True)}
+        seconds = {label: s for label, (s, _) in zip(A2A_CALLS, calls, strict=True)}
+        sent = {label: b for label, (_, b) in zip(A2A_CALLS, calls, strict=True)}
         samples.append(Sample(total, moe.expert_seconds, {**seconds, "counts": ep.counts_seconds}, sent))
     return samples
 
@@ -197,7 +207,6 @@ def report(a: argparse.Namespace, ep_size: int, ranks: list[dict[str, float]], e
         "shared_experts": a.shared_experts,
         "threads_per_rank": a.threads,
         "dispatch_bytes_per_token": mean("dispatch_bytes_per_token"),
-        "dispatch_ids_bytes_per_token": mean("dispatch_ids_bytes_per_token"),
         "combine_bytes_per_token": mean("combine_bytes_per_token"),
         "expected_bytes_per_token": expected,
         # The layer finishes when its slowest rank does.

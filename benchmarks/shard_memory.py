@@ -32,24 +32,24 @@ from moelaunch.engine.memory import peak_rss_bytes, process_memory
 from moelaunch.measure.random_checkpoint import write_random_checkpoint
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.loading import load_model
+from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import load_shard
 
 MB = 1 << 20
-# name: (dp, pp, tp); "full" is a single process running the unsharded loader.
+# name: (tp, dp, pp); "full" is a single process running the unsharded loader.
 LAYOUTS: dict[str, tuple[int, int, int]] = {
     "full": (1, 1, 1),
     "single": (1, 1, 1),
-    "tp2": (1, 1, 2),
-    "dp2": (2, 1, 1),
-    "tp2xdp2": (2, 1, 2),
-    "pp2": (1, 2, 1),
+    "tp2": (2, 1, 1),
+    "dp2": (1, 2, 1),
+    "tp2xdp2": (2, 2, 1),
+    "pp2": (1, 1, 2),
 }
 
 
 def build_mesh(layout: str) -> ParallelMesh:
-    dp, pp, tp = LAYOUTS[layout]
-    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    shape = MeshShape(*LAYOUTS[layout])
     return ParallelMesh.build(shape, timeout_s=120) if shape.world > 1 else ParallelMesh.single()
 
 
@@ -74,7 +74,7 @@ def worker(layout: str, ckpt: str, result: Path) -> None:
     warm_up_imports()
     gc.collect()
     before, peak_before = process_memory("VmRSS", "RssFile"), peak_rss_bytes()
-    model = load_model(ckpt) if mesh is None else load_shard(ckpt, mesh)
+    model = load_model(ckpt) if mesh is None else load_shard(WeightSpec(ckpt), mesh)
     load_peak = peak_rss_bytes()
     touch(model)
     after = process_memory("VmRSS", "RssFile")
@@ -100,8 +100,7 @@ def worker(layout: str, ckpt: str, result: Path) -> None:
 
 
 def launch(layout: str, ckpt: Path, result: Path) -> list[dict[str, Any]]:
-    dp, pp, tp = LAYOUTS[layout]
-    world = dp * pp * tp
+    world = MeshShape(*LAYOUTS[layout]).world
     cmd = [sys.executable]
     if world > 1:
         cmd += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]

@@ -1,5 +1,5 @@
 """Run under torchrun by test_parallel_layouts.py: each layout of the plan file, one after another,
-on the first dp*pp*tp ranks of the job (the others only help create process groups). The layout's
+on the first tp*dp*pp ranks of the job (the others only help create process groups). The layout's
 rank 0 drives the engine and saves tokens and top log-probabilities; every rank reports how many
 checkpoint bytes it read."""
 
@@ -17,20 +17,17 @@ from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.engine import LLMEngine
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 
 
 def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
-    dp, pp, tp = plan["shape"]
-    shape = MeshShape(dp=dp, pp=pp, tp=tp)
+    shape = MeshShape(*plan["shape"])
     mesh = ParallelMesh.build(shape, timeout_s=120, ranks=list(range(shape.world)))
     if mesh is None:
         return
     config = EngineConfig(kv_cache_memory=2_000_000, block_size=4)
-    owners = plan.get("placement")
-    placement = ExpertPlacement.from_map(owners, len(owners), shape.ep) if owners else None
-    engine = LLMEngine(ckpt, mesh, config, placement=placement)
+    engine = LLMEngine(WeightSpec(ckpt, expert_placement=plan.get("placement")), mesh, config)
     read = [None] * mesh.world.size
     dist.all_gather_object(read, engine.model.checkpoint_bytes_read, group=mesh.world.pg)
     if mesh.rank != 0:

@@ -185,7 +185,7 @@ def test_a_bad_prompt_in_a_list_queues_nothing_and_the_engine_keeps_serving(
 
 @pytest.mark.parametrize(
     ("options", "named"),
-    [({"tp": "2"}, "tp='2' must be an integer"), ({"fp8": "yes"}, "fp8='yes' must be one of"),
+    [({"tp": "2"}, "tp='2' must be an integer"), ({"dtype": "yes"}, "dtype='yes' must be one of"),
      ({"tp": 3}, "num_attention_heads=4 is not divisible by tp=3"),
      ({"max_model_len": 10**6}, "exceeds the model's max_position_embeddings")],
 )  # fmt: skip

@@ -11,7 +11,7 @@ from safetensors import safe_open
 from tiny_models import make_hf_model
 
 from moelaunch.launcher.cli import main as launch
-from moelaunch.model import CheckpointReader, load_model
+from moelaunch.model import CheckpointReader, WeightSpec, load_model
 
 IDS = torch.randint(2, 320, (2, 24), generator=torch.Generator().manual_seed(5))
 
@@ -45,8 +45,8 @@ def test_fp8_model_equals_its_dequantized_bf16_twin(dirs):
     _, fp8, bf16 = dirs
     assert "quantization_config" not in json.loads((bf16 / "config.json").read_text())
     assert not any(n.endswith("_scale_inv") for n in CheckpointReader(bf16).names())
-    a = load_model(fp8, dtype=torch.bfloat16)(IDS)
-    b = load_model(bf16, dtype=torch.bfloat16)(IDS)
+    a = load_model(WeightSpec(str(fp8), dtype="bfloat16"))(IDS)
+    b = load_model(WeightSpec(str(bf16), dtype="bfloat16"))(IDS)
     assert torch.equal(a, b)  # same dequantized weights, same arithmetic
 
 
@@ -73,7 +73,7 @@ def test_round_trip_is_within_fp8_error(dirs):
 
 def test_keeping_fp8_weights_runs_the_w8a8_path(dirs):
     original, fp8, _ = dirs
-    kept = load_model(fp8, fp8="keep")
+    kept = load_model(WeightSpec(str(fp8), dtype="fp8"))
     assert kept.model.layers["1"].mlp.experts["0"].down_proj.weight.dtype == torch.float8_e4m3fn
     ref = load_model(fp8)(IDS)  # dequantized weights, unquantized activations
     got = kept(IDS)
@@ -84,7 +84,7 @@ def test_keeping_fp8_weights_runs_the_w8a8_path(dirs):
 
 def test_w8a8_model_through_triton_kernels_in_the_interpreter(dirs, monkeypatch):
     _, fp8, _ = dirs
-    kept = load_model(fp8, fp8="keep")
+    kept = load_model(WeightSpec(str(fp8), dtype="fp8"))
     ids = IDS[:1, :6]
     expected = kept(ids)
     monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")

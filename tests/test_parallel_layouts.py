@@ -23,17 +23,17 @@ REQUESTS = [
     dict(id=1, prompt=[3] * 11, max_new_tokens=18),
     dict(id=2, prompt=[9, 10], max_new_tokens=16, temperature=0.8, seed=3),
 ]
-# name: (dp, pp, tp) and the requests; "placement" gives experts a non-contiguous home and copies.
+# name: (tp, dp, pp) and the requests; "placement" gives experts a non-contiguous home and copies.
 PLAN = {
-    "tp2": {"shape": [1, 1, 2], "requests": REQUESTS},
-    "ep-over-dp2": {"shape": [2, 1, 1], "requests": REQUESTS},
-    "tp2xdp2": {"shape": [2, 1, 2], "requests": REQUESTS},
-    "pp2": {"shape": [1, 2, 1], "requests": REQUESTS},
-    "pp2xtp2": {"shape": [1, 2, 2], "requests": REQUESTS},
-    "dp2xpp2": {"shape": [2, 2, 1], "requests": REQUESTS},
-    "dp2-one-idle": {"shape": [2, 1, 1], "requests": REQUESTS[:1]},
+    "tp2": {"shape": [2, 1, 1], "requests": REQUESTS},
+    "ep-over-dp2": {"shape": [1, 2, 1], "requests": REQUESTS},
+    "tp2xdp2": {"shape": [2, 2, 1], "requests": REQUESTS},
+    "pp2": {"shape": [1, 1, 2], "requests": REQUESTS},
+    "pp2xtp2": {"shape": [2, 1, 2], "requests": REQUESTS},
+    "dp2xpp2": {"shape": [1, 2, 2], "requests": REQUESTS},
+    "dp2-one-idle": {"shape": [1, 2, 1], "requests": REQUESTS[:1]},
     "dp2-redundant-experts": {
-        "shape": [2, 1, 1],
+        "shape": [1, 2, 1],
         "requests": REQUESTS,
         "placement": [[1], [0, 1], [0], [1, 0], [0], [1], [0], [1]],
     },

@@ -8,7 +8,7 @@ import torch
 from tiny_models import YARN, make_hf_model
 
 from moelaunch.kernels import grouped_linear_cpu, mla_decode_cpu
-from moelaunch.model import load_model
+from moelaunch.model import WeightSpec, load_model
 from moelaunch.model.single_sequence import generate
 
 VARIANTS = {
@@ -90,7 +90,7 @@ def test_bf16_logits_are_as_close_as_transformers_own_bf16(tmp_path):
     path = make_hf_model(tmp_path / "tiny", "v3", rope_scaling=YARN)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     reference_bf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    ours_bf16 = load_model(path, dtype=torch.bfloat16)
+    ours_bf16 = load_model(WeightSpec(str(path), dtype="bfloat16"))
     ids = prompt(2, 24, seed=7)
     with torch.no_grad():
         exact, theirs = reference(ids).logits, reference_bf16(ids).logits.float()

@@ -23,11 +23,11 @@ from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.launcher.cli import main as launch
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
-from moelaunch.model import CheckpointError, load_model
+from moelaunch.model import CheckpointError, WeightSpec, load_args, load_model
 from moelaunch.model.linear import Linear
 from moelaunch.model.single_sequence import generate
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
-from moelaunch.parallel.parallelize import build_shard
+from moelaunch.parallel.parallelize import MeshShard
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -237,11 +237,13 @@ def test_converted_checkpoint_equals_quantizing_at_load(dirs, method):
     converted = load_model(dirs[method])
     linear = converted.model.layers["1"].mlp.experts["0"].down_proj
     assert linear.quant is not None and linear.quant.method == method
-    assert torch.equal(converted(IDS), load_model(dirs["orig"], quantization=method)(IDS))
+    assert torch.equal(converted(IDS), load_model(WeightSpec(str(dirs["orig"]), quantization=method))(IDS))
 
 
 def test_int8_checkpoint_runs_as_w8a8_when_asked(dirs):
-    assert torch.equal(load_model(dirs["int8"], quantization="w8a8")(IDS), load_model(dirs["w8a8"])(IDS))
+    assert torch.equal(
+        load_model(WeightSpec(str(dirs["int8"]), quantization="w8a8"))(IDS), load_model(dirs["w8a8"])(IDS)
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -271,7 +273,10 @@ def test_int8_logits_within_the_stated_bound(tmp_path):
     original = make_hf_model(tmp_path / "dense", "v3", initializer_range=0.02, first_k_dense_replace=3)
     reference = load_model(original)(IDS)
     scale = reference.abs().max().item()
-    errors = {m: (load_model(original, quantization=m)(IDS) - reference).abs().max().item() for m in METHODS}
+    errors = {
+        m: (load_model(WeightSpec(str(original), quantization=m))(IDS) - reference).abs().max().item()
+        for m in METHODS
+    }
     print("max |dlogit| / max |logit|: " + ", ".join(f"{m} {e / scale:.4f}" for m, e in errors.items()))
     assert errors["int8"] <= 0.02 * scale
     assert errors["int4"] > errors["int8"]  # 16x coarser steps show
@@ -284,7 +289,7 @@ def test_fp8_checkpoint_is_dequantized_then_quantized(dirs, tmp_path):
     names = set(safe_open(str(tmp_path / "int8" / "model.safetensors"), "pt").keys())
     assert not any(n.endswith("_scale_inv") for n in names)
     converted = load_model(tmp_path / "int8")
-    assert torch.equal(converted(IDS), load_model(fp8, quantization="int8")(IDS))
+    assert torch.equal(converted(IDS), load_model(WeightSpec(str(fp8), quantization="int8"))(IDS))
     # int8 of the FP8 weights: within half an int8 step of the dequantized FP8 weight.
     fp8_weight = load_model(fp8).model.layers["1"].mlp.experts["2"].gate_proj.weight
     linear = converted.model.layers["1"].mlp.experts["2"].gate_proj
@@ -314,14 +319,8 @@ def test_quantized_model_through_triton_kernels_in_the_interpreter(dirs, method,
 
 
 def _tp2_shards(path: Path) -> list[torch.nn.Module]:
-    shape = MeshShape(dp=1, pp=1, tp=2)
-    return [
-        load_model(
-            path,
-            build=lambda args, mtp, r=r: build_shard(args, mtp, ParallelMesh.planned(shape, r, "cpu"), None),
-        )
-        for r in range(2)
-    ]
+    shape, args = MeshShape(tp=2), load_args(path)
+    return [load_model(path, shard=MeshShard(args, ParallelMesh.planned(shape, r, "cpu"))) for r in range(2)]
 
 
 @pytest.mark.parametrize("method", ["int8", "int4g16"])
@@ -356,7 +355,7 @@ def test_bad_quantization_values_get_one_clear_error(dirs, tmp_path):
     with pytest.raises(ValueError, match=r"quantization='int3' must be one of none, int8, w8a8, int4"):
         LLM(str(dirs["orig"]), quantization="int3")
     with pytest.raises(ValueError, match=r"quantization='int3' must be one of"):
-        load_model(dirs["orig"], quantization="int3")
+        load_model(WeightSpec(str(dirs["orig"]), quantization="int3"))
     config = tmp_path / "cluster.yaml"
     config.write_text(yaml.safe_dump({"model": str(dirs["orig"]), "quantization": 7}))
     with pytest.raises(DeployConfigError, match=r"quantization: given 7") as info:
@@ -366,7 +365,7 @@ def test_bad_quantization_values_get_one_clear_error(dirs, tmp_path):
 
 def test_requantizing_an_integer_checkpoint_is_refused(dirs, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"already quantized \(int4\)"):
-        load_model(dirs["int4"], quantization="int8")
+        load_model(WeightSpec(str(dirs["int4"]), quantization="int8"))
     assert launch(["convert", "quantize-int4", str(dirs["int8"]), str(tmp_path / "x")]) == 1
     assert "already quantized (int8)" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
@@ -396,7 +395,7 @@ def test_plan_counts_the_bytes_the_loaded_model_holds(dirs, tmp_path, method):
         yaml.safe_dump({"model": str(dirs["orig"]), "quantization": method, "cluster": cluster})
     )
     plan = build_plan(load_deploy_config(config))
-    model = load_model(dirs["orig"], quantization=method)
+    model = load_model(WeightSpec(str(dirs["orig"]), quantization=method))
     held = sum(
         t.numel() * t.element_size() for n, t in model.state_dict().items() if not n.startswith("rope.")
     )

@@ -24,7 +24,7 @@ from moelaunch.engine.sequence import Sequence
 from moelaunch.engine.stats import EngineStats
 from moelaunch.engine.step_protocol import broadcast_json, gather_json
 from moelaunch.model.kv_cache import PagedLatentCache
-from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import ParallelMesh
 from moelaunch.parallel.parallelize import load_shard
 from moelaunch.text.tokenizer import Tokenizer
@@ -82,27 +82,21 @@ class _RequestState:
 class LLMEngine:
     def __init__(
         self,
-        model_path: str,
+        weights: WeightSpec,
         mesh: ParallelMesh,
         config: EngineConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        fp8: str = "auto",
-        placement: ExpertPlacement | None = None,
-        quantization: str = "none",
     ) -> None:
         self.config = config or EngineConfig()
         self.mesh = mesh
-        self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer.from_dir(model_path)
+        self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer.from_dir(weights.model)
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
-        self.model = load_shard(
-            model_path, mesh, dtype, fp8, with_mtp=use_mtp, placement=placement, quantization=quantization
-        )
+        self.model = load_shard(weights, mesh, with_mtp=use_mtp)
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
             raise ValueError(
-                f"speculative='mtp' but {model_path} has no MTP weights (num_nextn_predict_layers)"
+                f"speculative='mtp' but {weights.model} has no MTP weights (num_nextn_predict_layers)"
             )
         args = self.model.args
         self.max_model_len = self.config.max_model_len or min(args.max_position_embeddings, 8192)

@@ -9,6 +9,7 @@ With tp*dp*pp > 1 the calling process is rank 0 and the other ranks are started 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -24,16 +25,19 @@ from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import Request, drive
 from moelaunch.engine.outputs import RequestOutput
 from moelaunch.engine.sampling_params import SamplingParams
+from moelaunch.model.weight_spec import WeightSpec
+from moelaunch.parallel.mesh import MeshShape
 
 Prompt = str | list[int] | list[dict[str, Any]]
 
 
-def engine_config(options: dict[str, Any]) -> EngineConfig:
-    """EngineConfig from keyword options, with one ValueError naming each bad option."""
+def engine_config(options: dict[str, Any], others: list[str]) -> EngineConfig:
+    """EngineConfig from keyword options, with one ValueError naming each bad option; `others`: the
+    options that the rest of the spec takes, for the list of what is allowed."""
     try:
         return EngineConfig(**options)
     except ValidationError as e:
-        known = ", ".join(EngineConfig.model_fields)
+        known = ", ".join([*others, *EngineConfig.model_fields])
         problems = [
             f"{'.'.join(map(str, err['loc']))}: {err['msg']} (given {err.get('input')!r})"
             if err["type"] != "extra_forbidden" or len(err["loc"]) > 1  # nested: "attention.size: ..."
@@ -43,30 +47,31 @@ def engine_config(options: dict[str, Any]) -> EngineConfig:
         raise ValueError("; ".join(problems)) from None
 
 
+def _names(kind: type, *without: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(kind) if f.name not in without]
+
+
+def spec_from_options(model: str, options: dict[str, Any]) -> EngineSpec:
+    """The EngineSpec for LLM(model, **options): each option goes to the part that declares it (the
+    weights, the parallel layout, the spec itself), the rest to EngineConfig."""
+    weights, layout = _names(WeightSpec, "model"), _names(MeshShape)
+    own = _names(EngineSpec, "weights", "parallel", "engine")
+    others = [*weights, *layout, *own]
+    engine = engine_config({k: v for k, v in options.items() if k not in others}, others)
+
+    def take(names: list[str]) -> dict[str, Any]:
+        return {n: options[n] for n in names if n in options}
+
+    return EngineSpec(WeightSpec(model, **take(weights)), MeshShape(**take(layout)), engine, **take(own))
+
+
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        tp: int = 1,
-        dp: int = 1,
-        pp: int = 1,
-        dtype: str = "auto",
-        fp8: str = "auto",
-        expert_placement: list[list[int]] | None = None,
-        timeout_s: float = 300.0,
-        quantization: str = "none",
-        **engine_options: Any,
-    ) -> None:
-        """quantization: none | int8 | w8a8 | int4, the projections quantized at load (an int8/int4
-        checkpoint from `launch convert` runs as it is with none).
-        engine_options: any EngineConfig field (max_model_len, kv_cache_memory, kv_cache_fraction,
-        block_size, kv_cache_dtype, attention, max_num_batched_tokens, max_num_seqs, enable_prefix_caching,
-        seed, speculative, skip_tokenizer_init...)."""
-        config = engine_config(engine_options)
-        spec = EngineSpec(
-            str(model), tp, dp, pp, dtype, fp8, config, expert_placement, timeout_s, quantization
-        )
-        self._start(spec, {})
+    def __init__(self, model: str, **options: Any) -> None:
+        """options: the parallel layout (tp, dp, pp: MeshShape), the weights (dtype, quantization,
+        expert_placement: WeightSpec), timeout_s, and any EngineConfig field (max_model_len,
+        kv_cache_memory, kv_cache_fraction, block_size, kv_cache_dtype, attention, max_num_batched_tokens,
+        max_num_seqs, enable_prefix_caching, seed, speculative, skip_tokenizer_init...)."""
+        self._start(spec_from_options(str(model), options), {})
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, env: dict[str, str] | None = None) -> LLM:

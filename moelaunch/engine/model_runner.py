@@ -74,11 +74,11 @@ class ModelRunner:
         else:
             x = torch.empty(offset, model.args.hidden_size, dtype=self.dtype, device=mesh.device)
             if offset:  # both sides know the size; nothing travels for an empty micro-batch
-                dist.recv(x, mesh.peer_rank(mesh.pp_index - 1))
+                mesh.recv_from_previous_stage(x)
         x = model.run_layers(x, layout)
         if not mesh.is_last_stage:
             if offset:
-                pending.append(dist.isend(x.contiguous(), mesh.peer_rank(mesh.pp_index + 1)))
+                pending.append(mesh.send_to_next_stage(x))
             return
         hidden = model.final_norm(x)
         sampling = [(c, s) for c, s in zip(chunks, spans, strict=True) if c.samples]

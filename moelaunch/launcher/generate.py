@@ -18,13 +18,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moelaunch.cluster.rendezvous import RankEnv
-from moelaunch.engine.build import DTYPES, EngineSpec, build_engine
+from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.engine import LLMEngine
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
 from moelaunch.launcher.jobs.output_path import check_writable
+from moelaunch.model.weight_spec import WEIGHT_DTYPES, WeightSpec
+from moelaunch.parallel.mesh import MeshShape
 from moelaunch.tasks.capabilities import capabilities_line
 
 
@@ -43,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, help="tensor parallel size (default: what the world leaves)")
     p.add_argument("--dp", type=int, default=1, help="data parallel attention replicas")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="auto")
+    p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="auto")
     p.add_argument("--speculative", choices=["mtp"], help="draft with the checkpoint's MTP layer")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait on a peer may take")
     return p.parse_args(argv)
@@ -53,7 +55,8 @@ def build(args: argparse.Namespace) -> LLMEngine:
     world = RankEnv.from_env().world_size
     tp = args.tp or max(world // (args.dp * args.pp), 1)
     config = EngineConfig(speculative=args.speculative, seed=args.seed)
-    spec = EngineSpec(args.ckpt_path, tp, args.dp, args.pp, args.dtype, engine=config, timeout_s=args.timeout)
+    weights = WeightSpec(args.ckpt_path, args.dtype)
+    spec = EngineSpec(weights, MeshShape(tp, args.dp, args.pp), config, args.timeout)
     return build_engine(spec)
 
 

@@ -66,7 +66,7 @@ class RayLLM:
                 "(auto starts a one-node cluster on this machine)",
             )
         self.spec = spec
-        self.tokenizer = Tokenizer.from_dir(spec.model)  # local: text never travels to the ranks
+        self.tokenizer = Tokenizer.from_dir(spec.weights.model)  # local: text never travels to the ranks
         group_spec = GroupSpec(
             c.nodes, c.devices_per_node, c.device, dict(c.env), c.timeouts.startup_s, c.timeouts.collective_s
         )

@@ -5,6 +5,7 @@ from moelaunch.model.config import ConfigError, ModelArgs, args_from_hf_config, 
 from moelaunch.model.kv_cache import PagedLatentCache, SparseAttention
 from moelaunch.model.loading import load_model
 from moelaunch.model.transformer import Transformer
+from moelaunch.model.weight_spec import WeightSpec
 
 __all__ = [
     "CheckpointError",
@@ -14,6 +15,7 @@ __all__ = [
     "SparseAttention",
     "ModelArgs",
     "Transformer",
+    "WeightSpec",
     "args_from_hf_config",
     "load_args",
     "load_model",

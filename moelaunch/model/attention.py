@@ -19,6 +19,7 @@ from moelaunch.model.config import ModelArgs
 from moelaunch.model.linear import Linear
 from moelaunch.model.norm import RMSNorm
 from moelaunch.model.rope import RotaryEmbedding
+from moelaunch.model.sharding import WHOLE, ModelShard
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
 
@@ -48,28 +49,30 @@ def _is_rectangle(layout: BatchLayout) -> bool:
 
 
 class MLA(nn.Module):
-    """`n_heads` may be a tensor-parallel rank's share of the heads; the latent path is per token and
+    """Under tensor parallelism each rank holds its share of the heads: the per-head projections are
+    split by column (q_b_proj / q_proj, kv_b_proj) and o_proj by row. The latent path is per token and
     the same for every head, so it is never split."""
 
-    def __init__(self, args: ModelArgs, n_heads: int | None = None) -> None:
+    def __init__(self, args: ModelArgs, shard: ModelShard = WHOLE) -> None:
         super().__init__()
-        self.n_heads = args.num_attention_heads if n_heads is None else n_heads
+        heads = args.num_attention_heads
+        self.n_heads = heads // shard.tp_size
         self.nope_dim = args.qk_nope_head_dim
         self.rope_dim = args.qk_rope_head_dim
         self.v_dim = args.v_head_dim
         self.kv_rank = args.kv_lora_rank
         self.scale = args.softmax_scale
-        q_out = self.n_heads * args.qk_head_dim
+        q_out = heads * args.qk_head_dim
         if args.q_lora_rank:
             self.q_a_proj = Linear(args.hidden_size, args.q_lora_rank)
             self.q_a_layernorm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-            self.q_b_proj = Linear(args.q_lora_rank, q_out)
+            self.q_b_proj = shard.column(args.q_lora_rank, q_out)
         else:
-            self.q_proj = Linear(args.hidden_size, q_out)
+            self.q_proj = shard.column(args.hidden_size, q_out)
         self.kv_a_proj_with_mqa = Linear(args.hidden_size, args.kv_lora_rank + args.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
-        self.kv_b_proj = Linear(args.kv_lora_rank, self.n_heads * (args.qk_nope_head_dim + args.v_head_dim))
-        self.o_proj = Linear(self.n_heads * args.v_head_dim, args.hidden_size)
+        self.kv_b_proj = shard.column(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
+        self.o_proj = shard.row(heads * args.v_head_dim, args.hidden_size)
 
     def forward(
         self,

@@ -22,13 +22,18 @@ from torch import nn
 
 from moelaunch import kernels
 from moelaunch.model.quantization import IntQuant
+from moelaunch.model.shard_spec import ShardSpec
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int) -> None:
+    """`shard_spec`: the slice of the checkpoint's weight this layer holds (a tensor-parallel rank's
+    share); None: the whole weight."""
+
+    def __init__(self, in_features: int, out_features: int, shard_spec: ShardSpec | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.shard_spec = shard_spec
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         # Set by the loader for quantized weights; a None buffer stays out of the state dict.
         self.register_buffer("weight_scale_inv", None)  # block-FP8

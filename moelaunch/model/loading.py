@@ -2,7 +2,7 @@
 
 The model is built on the meta device, then every parameter is read from the checkpoint under its
 HF name, shape-checked and placed: no random initialization, no second copy of the weights.
-Block-FP8 weights are dequantized once at load on the CPU, and kept as FP8 on a GPU (W8A8 GEMM).
+Block-FP8 weights are dequantized once at load, or kept as FP8 (W8A8 GEMM), as WeightSpec.dtype says.
 Integer-quantized projections (`model/quantization.py`) are read as they are stored, or quantized at
 load from a plain or block-FP8 checkpoint when `quantization=` asks for it.
 """
@@ -10,9 +10,7 @@ load from a plain or block-FP8 checkpoint when `quantization=` asks for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
@@ -23,14 +21,13 @@ from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.linear import Linear
 from moelaunch.model.quantization import IntQuant, is_quantizable, quantize_weight, resolve_quantization
 from moelaunch.model.rope import RotaryEmbedding
-from moelaunch.model.sharding import ShardSpec
+from moelaunch.model.shard_spec import ShardSpec, weight_shard
+from moelaunch.model.sharding import WHOLE, ModelShard
 from moelaunch.model.transformer import Transformer, checkpoint_name
+from moelaunch.model.weight_spec import WeightSpec
 
 log = logging.getLogger(__name__)
 
-Fp8Mode = Literal["auto", "dequant", "keep"]
-# Builds the (possibly sharded) module on the meta device: (args, with_mtp) -> Transformer.
-ModelBuilder = Callable[[ModelArgs, bool], Transformer]
 SCALE_SUFFIX = "_scale_inv"
 # Tensors some checkpoints carry that the model derives or shares instead of loading.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -53,36 +50,31 @@ def _shared_mtp_copies(args: ModelArgs) -> set[str]:
 
 
 def load_model(
-    path: str | Path,
-    dtype: torch.dtype = torch.float32,
+    weights: WeightSpec | str | Path,
     device: str | torch.device = "cpu",
-    fp8: Fp8Mode = "auto",
     with_mtp: bool = True,
-    build: ModelBuilder | None = None,
-    quantization: str = "none",
+    shard: ModelShard = WHOLE,
 ) -> Transformer:
     """Load a DeepSeek-V2/V3 HF checkpoint directory as a ready-to-run Transformer in eval mode.
 
-    fp8: for block-FP8 checkpoints, "keep" runs FP8 weights through the W8A8 kernels, "dequant"
-    converts them to `dtype` at load, "auto" keeps them on CUDA and dequantizes elsewhere.
-    build: for a parallel rank, builds its shard of the model (layers it holds, slices it owns);
-    then only those tensors and slices are read, and unread tensors are expected.
-    quantization: "none" runs the checkpoint's own format; "int8" | "w8a8" | "int4" quantize the
-    projections of a plain or block-FP8 checkpoint at load (see `model/quantization.py`).
+    weights: the checkpoint and how to hold it (a path alone: its defaults, see WeightSpec).
+    shard: for a parallel rank, its part of the model (the layers it holds, the slices it owns); then
+    only those tensors and slices are read, and unread tensors are expected.
     """
-    device = torch.device(device)
+    spec = weights if isinstance(weights, WeightSpec) else WeightSpec(str(weights))
+    path, device = spec.model, torch.device(device)
     args = load_args(path)
-    quant = resolve_quantization(quantization, args.quantization, str(path))
+    quant = resolve_quantization(spec.quantization, args.quantization, path)
     reader = CheckpointReader(path)
-    keep_fp8 = fp8 == "keep" or (fp8 == "auto" and device.type == "cuda")
     mtp_in_checkpoint = has_mtp_weights(args, reader)
     with_mtp = with_mtp and mtp_in_checkpoint
     if args.num_nextn_predict_layers and not with_mtp:
         log.info("%s: no MTP weights loaded; speculative decoding with MTP is off", path)
     with torch.device("meta"):
-        model = (build or Transformer)(args, with_mtp)
+        model = Transformer(args, with_mtp, shard)
+    dtype, keep_fp8 = spec.compute_dtype(device), spec.keeps_fp8(device)
     used = _fill_from_checkpoint(model, reader, dtype, device, keep_fp8, quant)
-    if build is None:
+    if shard.whole:
         _check_all_used(args, reader, used, skip_mtp=mtp_in_checkpoint and not with_mtp)
     model.rope = RotaryEmbedding(args).to(device)
     model.checkpoint_bytes_read = reader.bytes_read
@@ -107,7 +99,7 @@ def _fill_from_checkpoint(
             name = checkpoint_name(param_name, args)
             if name == "lm_head.weight" and name not in reader and args.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
-            spec = getattr(module, "shard_spec", None) if attr == "weight" else None
+            spec = weight_shard(module, attr)
             if quant is not None and attr == "weight" and isinstance(module, Linear):
                 loaded = _load_int_linear(module, reader, name, tuple(current.shape), spec, quant, device)
                 if loaded is not None:
@@ -154,7 +146,7 @@ def _read_fp8(
     if keep and (lo, min(hi, reader.shape(name)[spec.dim])) != (spec.start, spec.end):
         raise CheckpointError(
             f"{name}: shard [{spec.start}, {spec.end}) along dim {spec.dim} is not aligned to FP8 blocks of "
-            f"{block}; pick a parallel layout whose shards are multiples of {block}, or use fp8='dequant'"
+            f"{block}; pick a parallel layout whose shards are multiples of {block}, or dtype='bfloat16'"
         )
     weight = reader.read(name, dim=spec.dim, start=lo, end=hi)
     scale = reader.read(scale_name, torch.float32, dim=spec.dim, start=lo // block, end=-(-hi // block))

@@ -1,4 +1,5 @@
-"""Mixture of experts: routed experts chosen by the gate plus always-on shared experts."""
+"""Mixture of experts: routed experts chosen by the gate plus always-on shared experts. One forward for
+training and inference, in one process or expert-parallel: the dispatcher moves the routed rows."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from torch import nn
 
 from moelaunch import kernels
 from moelaunch.model.config import ModelArgs
+from moelaunch.model.expert_dispatch import ExpertDispatch, LocalDispatch
 from moelaunch.model.gate import Gate
 from moelaunch.model.mlp import MLP
+from moelaunch.model.sharding import WHOLE, ModelShard
 
 # Rows per expert up to which the stacked experts run together (the CPU grouped-linear kernel, or one
 # zero-padded batched GEMM) instead of a GEMM per expert: decode-sized groups, where per-call overhead
@@ -18,31 +21,26 @@ from moelaunch.model.mlp import MLP
 STACKED_MAX_ROWS = 64
 
 
-def combine_expert_outputs(
-    y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, base: torch.Tensor | None = None
-) -> torch.Tensor:
-    """base + per token the routing-weighted sum of its expert outputs: y's row i is the output for
-    (token, k) pair order[i] of weights [T, K] (pairs numbered token * K + k)."""
-    slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return kernels.moe_combine(y, slot.view(weights.shape), weights, base)
-
-
 class MoE(nn.Module):
     """Routed experts live in a dict keyed by global expert id (the checkpoint's `experts.J`), so an
-    expert-parallel rank can hold just the ids it owns under the same names."""
+    expert-parallel rank can hold just the ids its dispatcher owns under the same names."""
 
-    def __init__(self, args: ModelArgs, expert_ids: list[int] | None = None) -> None:
+    def __init__(
+        self, args: ModelArgs, dispatch: ExpertDispatch | None = None, shard: ModelShard = WHOLE
+    ) -> None:
         super().__init__()
-        ids = range(args.n_routed_experts) if expert_ids is None else expert_ids
+        self.dispatch = dispatch or LocalDispatch(args.n_routed_experts)
         self.n_routed_experts = args.n_routed_experts
         self.gate = Gate(args)
-        self.experts = nn.ModuleDict({str(j): MLP(args.hidden_size, args.moe_intermediate_size) for j in ids})
-        self.local_ids = list(ids)
+        self.local_ids = self.dispatch.expert_ids
+        self.experts = nn.ModuleDict(
+            {str(j): MLP(args.hidden_size, args.moe_intermediate_size) for j in self.local_ids}
+        )
         # Set by stack_experts(): every local expert's [gate; up] and down weights, one tensor each.
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
         self.shared_experts = (
-            MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size)
+            MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size, shard)
             if args.n_shared_experts
             else None
         )
@@ -50,21 +48,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        weights, ids = self.gate(x)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.routed(x, weights, ids, base=shared).view(shape)
-
-    def routed(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """base + sum_k weights[:, k] * expert_{ids[:, k]}(x), every expert local."""
-        flat_ids = ids.flatten()
-        order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.n_routed_experts).tolist()
-        token_of_slot = order // ids.shape[1]
-        # index_select, not x[token_of_slot]: the same gather, several times faster on the CPU.
-        y = self.run_grouped(x.index_select(0, token_of_slot), counts)
-        return combine_expert_outputs(y, order, weights, base)
+        mine = self.dispatch.rows(x)
+        weights, ids = self.gate(mine)
+        return self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0]).view(shape)
 
     @torch.no_grad()
     def stack_experts(self) -> None:

@@ -3,7 +3,7 @@
 Module names equal the Hugging Face checkpoint names (`model.layers.N.self_attn.q_a_proj.weight`,
 `lm_head.weight`, ...), except MTP layers, stored as `model.layers.{num_hidden_layers + k}` in the
 checkpoint and held here as `mtp.{k}`; `checkpoint_name` maps between the two. Layers sit in a dict
-keyed by their index, so a pipeline stage can hold just its own layers under the same names.
+keyed by their index, so a pipeline stage holds just its own layers under the same names.
 """
 
 from __future__ import annotations
@@ -20,16 +20,21 @@ from moelaunch.model.mlp import MLP
 from moelaunch.model.moe import MoE
 from moelaunch.model.norm import RMSNorm
 from moelaunch.model.rope import RotaryEmbedding
+from moelaunch.model.sharding import WHOLE, ModelShard
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x)); the ffn is dense or MoE by index."""
 
-    def __init__(self, args: ModelArgs, layer_id: int) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int, shard: ModelShard = WHOLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = MLA(args)
-        self.mlp = MoE(args) if args.is_moe_layer(layer_id) else MLP(args.hidden_size, args.intermediate_size)
+        self.self_attn = MLA(args, shard)
+        self.mlp = (
+            MoE(args, shard.expert_dispatch(args.n_routed_experts), shard)
+            if args.is_moe_layer(layer_id)
+            else MLP(args.hidden_size, args.intermediate_size, shard)
+        )
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -57,8 +62,8 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """Predicts token i+2 from the main model's hidden state at i and the embedding of token i+1."""
 
-    def __init__(self, args: ModelArgs, layer_id: int) -> None:
-        super().__init__(args, layer_id)
+    def __init__(self, args: ModelArgs, layer_id: int, shard: ModelShard = WHOLE) -> None:
+        super().__init__(args, layer_id, shard)
         self.enorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.hnorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.eh_proj = Linear(2 * args.hidden_size, args.hidden_size)
@@ -66,26 +71,29 @@ class MTPLayer(DecoderLayer):
 
 
 class DecoderStack(nn.Module):
-    """`model.*` in the checkpoint: embedding, decoder layers, final norm."""
+    """`model.*` in the checkpoint: embedding (first stage), decoder layers, final norm (last stage)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, shard: ModelShard = WHOLE) -> None:
         super().__init__()
-        # An uninitialized weight (the loader fills it): nn.Embedding's random init would, on the meta
-        # device, import torch._dynamo and sympy for nothing (~0.3 s and ~90 MB per process).
-        empty = torch.empty(args.vocab_size, args.hidden_size)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size, _weight=empty)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in range(args.num_hidden_layers)})
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        if shard.first_stage:
+            self.embed_tokens = shard.embedding(args.vocab_size, args.hidden_size)
+        held = [i for i in range(args.num_hidden_layers) if shard.holds_layer(i)]
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i, shard) for i in held})
+        if shard.last_stage:
+            self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, with_mtp: bool = True) -> None:
+    """The whole model, or with a `shard` one rank's part of it (see model/sharding.py)."""
+
+    def __init__(self, args: ModelArgs, with_mtp: bool = True, shard: ModelShard = WHOLE) -> None:
         super().__init__()
         self.args = args
-        self.model = DecoderStack(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size)
-        n_mtp = args.num_nextn_predict_layers if with_mtp else 0
-        self.mtp = nn.ModuleList(MTPLayer(args, args.num_hidden_layers + k) for k in range(n_mtp))
+        self.model = DecoderStack(args, shard)
+        if shard.last_stage:
+            self.lm_head = shard.head(args.hidden_size, args.vocab_size)
+        n_mtp = args.num_nextn_predict_layers if with_mtp and shard.last_stage else 0
+        self.mtp = nn.ModuleList(MTPLayer(args, args.num_hidden_layers + k, shard) for k in range(n_mtp))
         self.rope = RotaryEmbedding(args)
         self.attn_impl: AttnImpl = "auto"
         self.checkpoint_bytes_read = 0  # set by the loader: how much of the checkpoint this rank read

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelaunch.model.config import ModelArgs
-from moelaunch.model.moe import MoE, combine_expert_outputs
+from moelaunch.model.expert_dispatch import RunExperts, combine_expert_outputs
 from moelaunch.parallel.group import Group
 
 
@@ -59,31 +58,30 @@ class ExpertPlacement:
         return table[expert_ids, turn]
 
 
-class ExpertParallelMoE(MoE):
-    def __init__(self, args: ModelArgs, placement: ExpertPlacement, ep: Group, tp: Group) -> None:
-        super().__init__(args, expert_ids=placement.experts_of(ep.index))
+class AllToAllDispatch:
+    """The MoE's expert dispatcher (model/expert_dispatch.py) when experts are spread over the EP group."""
+
+    def __init__(self, placement: ExpertPlacement, ep: Group, tp: Group) -> None:
         self.placement = placement
+        self.expert_ids = placement.experts_of(ep.index)
+        self.n_experts = len(placement.owners)
         self.ep = ep
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        share = -(-n // self.tp.size)  # rows per TP rank, the last share padded
-        mine = x[self.tp.index * share : (self.tp.index + 1) * share]
-        weights, ids = self.gate(mine)
-        routed = self.routed(mine, weights, ids)
-        if self.tp.size > 1:
-            padded = routed.new_zeros(share, x.shape[1])
-            padded[: routed.shape[0]] = routed
-            routed = self.tp.all_gather_cat(padded, dim=0)[:n]
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        share = -(-x.shape[0] // self.tp.size)  # rows per TP rank, the last share padded
+        return x[self.tp.index * share : (self.tp.index + 1) * share]
 
-    def routed(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, base: torch.Tensor | None = None
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        run: RunExperts,
+        base: torch.Tensor | None,
+        n_rows: int,
     ) -> torch.Tensor:
-        if self.ep.size == 1:  # every expert is here: nothing to dispatch, skip its bookkeeping
-            return super().routed(x, weights, ids, base)
-        k, n_experts = ids.shape[1], self.n_routed_experts
+        k, n_experts = ids.shape[1], self.n_experts
         flat_ids = ids.flatten()
         dest = self.placement.destinations(flat_ids)
         # Grouped by destination, then by expert, so each receiver gets runs of rows per expert.
@@ -101,14 +99,22 @@ class ExpertParallelMoE(MoE):
             .repeat(self.ep.size)
             .repeat_interleave(received.flatten())
         )
-        computed = self._run_local(arrived, arrived_ids)
+        computed = self._run_local(arrived, arrived_ids, run)
         back = self.ep.all_to_all(computed, recvs, sends)  # the reverse exchange: combine
-        return combine_expert_outputs(back, order, weights, base)
+        if self.tp.size == 1:
+            return combine_expert_outputs(back, order, weights, base)
+        # Each TP rank combined its share of the rows: the group gathers them, then adds the base.
+        routed = combine_expert_outputs(back, order, weights)
+        share = -(-n_rows // self.tp.size)
+        padded = routed.new_zeros(share, routed.shape[1])
+        padded[: routed.shape[0]] = routed
+        routed = self.tp.all_gather_cat(padded, dim=0)[:n_rows]
+        return routed if base is None else routed + base
 
-    def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor, run: RunExperts) -> torch.Tensor:
         """Apply each row's expert; rows from different senders are regrouped by expert first."""
         order = expert_ids.argsort(stable=True)
-        counts = torch.bincount(expert_ids, minlength=self.n_routed_experts).tolist()
+        counts = torch.bincount(expert_ids, minlength=self.n_experts).tolist()
         out = torch.empty_like(rows)
-        out[order] = self.run_grouped(rows.index_select(0, order), counts)
+        out[order] = run(rows.index_select(0, order), counts)
         return out

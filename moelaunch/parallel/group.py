@@ -41,6 +41,15 @@ class Group:
             dist.broadcast(x, self.ranks[src_index], group=self.pg)
         return x
 
+    def isend(self, x: torch.Tensor, dst_index: int) -> dist.Work:
+        """Start sending `x` to member `dst_index`, which receives it with recv into a same-shaped tensor."""
+        return dist.isend(x.contiguous(), self.ranks[dst_index])
+
+    def recv(self, x: torch.Tensor, src_index: int) -> torch.Tensor:
+        """Fill `x` with what member `src_index` sends (isend)."""
+        dist.recv(x, self.ranks[src_index])
+        return x
+
     def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows x[...] in blocks of send_counts to each member; returns the blocks received, in order."""
         if self.size == 1:

@@ -1,5 +1,5 @@
-"""Tensor-parallel layers. Each holds one rank's slice of a checkpoint tensor (its `shard_spec`,
-which the loader reads and nothing more) and adds the collective that makes the result whole."""
+"""Tensor-parallel layers. Each is built with one rank's slice of a checkpoint tensor (its `shard_spec`,
+which the loader reads) and adds the collective that makes the result whole."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelaunch.model.linear import Linear
-from moelaunch.model.sharding import ShardSpec
+from moelaunch.model.shard_spec import ShardSpec
 from moelaunch.parallel.group import Group
 
 
@@ -18,8 +18,7 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, group: Group) -> None:
         spec = ShardSpec.even(0, out_features, group.index, group.size)
-        super().__init__(in_features, spec.end - spec.start)
-        self.shard_spec = spec
+        super().__init__(in_features, spec.end - spec.start, spec)
         self.group = group
 
 
@@ -28,8 +27,7 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, group: Group) -> None:
         spec = ShardSpec.even(1, in_features, group.index, group.size)
-        super().__init__(spec.end - spec.start, out_features)
-        self.shard_spec = spec
+        super().__init__(spec.end - spec.start, out_features, spec)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The device mesh: world = dp x pp x tp, with expert parallelism over dp x tp inside each stage.
+"""The device mesh: world = tp x dp x pp, with expert parallelism over dp x tp inside each stage.
 
-Rank order puts tp innermost (a TP group is contiguous, so it packs within a node) and pp outermost
-(each pipeline stage is a contiguous block of ranks, so stages map to nodes):
+Sizes and coordinates are always given in the order tp, dp, pp. Rank order puts tp innermost (a TP
+group is contiguous, so it packs within a node) and pp outermost (each pipeline stage is a contiguous
+block of ranks, so stages map to nodes):
     rank = pp_index * (dp * tp) + dp_index * tp + tp_index
 """
 
@@ -22,39 +23,40 @@ class LayoutError(ValueError):
 
 @dataclass(frozen=True)
 class MeshShape:
+    tp: int = 1
     dp: int = 1
     pp: int = 1
-    tp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp"):
-            if getattr(self, name) < 1:
-                raise LayoutError(f"{name}={getattr(self, name)}: every parallel size must be >= 1")
+        for name in ("tp", "dp", "pp"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise LayoutError(f"{name}={value!r} must be an integer >= 1")
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.tp * self.dp * self.pp
 
     @property
     def ep(self) -> int:
         return self.dp * self.tp
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
+    def rank(self, tp: int, dp: int, pp: int) -> int:
         return (pp * self.dp + dp) * self.tp + tp
 
     def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_index, dp_index, tp_index) of a global rank."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+        """(tp_index, dp_index, pp_index) of a global rank."""
+        return rank % self.tp, rank // self.tp % self.dp, rank // (self.dp * self.tp)
 
     def groups(self) -> dict[str, list[list[int]]]:
         """Every group of each family (named as ParallelMesh's fields), as mesh positions in group order."""
         stages, replicas, slices = range(self.pp), range(self.dp), range(self.tp)
         return {
             "world": [list(range(self.world))],
-            "tp": [[self.rank(p, d, t) for t in slices] for p in stages for d in replicas],
-            "ep": [[self.rank(p, d, t) for d in replicas for t in slices] for p in stages],
-            "pp": [[self.rank(p, d, t) for p in stages] for d in replicas for t in slices],
-            "dp_replica": [[self.rank(p, d, t) for p in stages for t in slices] for d in replicas],
+            "tp": [[self.rank(t, d, p) for t in slices] for p in stages for d in replicas],
+            "ep": [[self.rank(t, d, p) for d in replicas for t in slices] for p in stages],
+            "pp": [[self.rank(t, d, p) for p in stages] for d in replicas for t in slices],
+            "dp_replica": [[self.rank(t, d, p) for p in stages for t in slices] for d in replicas],
         }
 
 
@@ -64,14 +66,14 @@ class ParallelMesh:
     rank: int  # position in the mesh (equal to the global rank unless the mesh is a sub-world)
     tp: Group  # same stage and replica: attention heads, dense MLP, vocab
     ep: Group  # same stage: routed experts, token all-to-all
-    pp: Group  # same replica and tp index, across stages: hidden states
+    pp: Group  # same replica and tp index, across stages in stage order: hidden states
     dp_replica: Group  # same DP replica: every stage and tp rank (sampled tokens)
     world: Group
     device: torch.device
     global_ranks: list[int]  # job rank of each mesh position
 
     @property
-    def pp_index(self) -> int:
+    def tp_index(self) -> int:
         return self.shape.coords(self.rank)[0]
 
     @property
@@ -79,7 +81,7 @@ class ParallelMesh:
         return self.shape.coords(self.rank)[1]
 
     @property
-    def tp_index(self) -> int:
+    def pp_index(self) -> int:
         return self.shape.coords(self.rank)[2]
 
     @property
@@ -90,9 +92,13 @@ class ParallelMesh:
     def is_last_stage(self) -> bool:
         return self.pp_index == self.shape.pp - 1
 
-    def peer_rank(self, stage: int) -> int:
-        """The job rank with this rank's replica and tp index in another pipeline stage."""
-        return self.global_ranks[self.shape.rank(stage, self.dp_index, self.tp_index)]
+    def recv_from_previous_stage(self, x: torch.Tensor) -> torch.Tensor:
+        """Fill `x` with the hidden states the previous pipeline stage sent (same replica and tp index)."""
+        return self.pp.recv(x, self.pp_index - 1)
+
+    def send_to_next_stage(self, x: torch.Tensor) -> dist.Work:
+        """Start sending hidden states to the next pipeline stage; wait on the result before reusing x."""
+        return self.pp.isend(x, self.pp_index + 1)
 
     @classmethod
     def single(cls, device: torch.device | str = "cpu") -> ParallelMesh:
@@ -121,8 +127,8 @@ class ParallelMesh:
         ranks = list(range(dist.get_world_size())) if ranks is None else ranks
         if len(ranks) != shape.world:
             raise LayoutError(
-                f"dp*pp*tp = {shape.dp}*{shape.pp}*{shape.tp} = {shape.world} but {len(ranks)} processes "
-                f"were started; start {shape.world} processes or change --dp/--pp/--tp"
+                f"tp*dp*pp = {shape.tp}*{shape.dp}*{shape.pp} = {shape.world} but {len(ranks)} processes "
+                f"were started; start {shape.world} processes or change --tp/--dp/--pp"
             )
         timeout = datetime.timedelta(seconds=timeout_s)
         mine: dict[str, Group] = {}

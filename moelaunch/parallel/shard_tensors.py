@@ -1,5 +1,5 @@
 """What one rank of a layout holds, found without starting anything: its shard, built by the real
-builder (build_shard) on the meta device, listed tensor by tensor with the slice TP gives it."""
+builder (MeshShard) on the meta device, listed tensor by tensor with the slice TP gives it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from moelaunch.model.config import ModelArgs
+from moelaunch.model.shard_spec import weight_shard
+from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
-from moelaunch.parallel.parallelize import build_shard
+from moelaunch.parallel.parallelize import MeshShard
 
 
 @dataclass(frozen=True)
@@ -33,14 +35,15 @@ def shard_tensors(
     """The tensors mesh position `rank` loads (parameters and the router bias), in module order; the
     MTP layer is left out, as it is loaded only for speculative decoding."""
     with torch.device("meta"):
-        shard = build_shard(args, False, ParallelMesh.planned(shape, rank), placement)
+        shard = Transformer(
+            args, with_mtp=False, shard=MeshShard(args, ParallelMesh.planned(shape, rank), placement)
+        )
     modules = dict(shard.named_modules())
     tensors = []
     # The state dict is what the loader fills: no rope tables, no unset FP8 scales.
     for name, tensor in shard.state_dict().items():
         module_name, _, attr = name.rpartition(".")
-        module = modules[module_name]
-        spec = getattr(module, "shard_spec", None) if attr == "weight" else None
-        split = (spec.dim, module.group.size) if spec else (None, 1)
+        spec = weight_shard(modules[module_name], attr)
+        split = (spec.dim, shape.tp) if spec else (None, 1)
         tensors.append(ShardTensor(name, tuple(tensor.shape), *split))
     return tensors

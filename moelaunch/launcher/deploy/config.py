@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from moelaunch.engine.config import EngineConfig
 from moelaunch.model.quantization import Quantization
+from moelaunch.model.weight_spec import WeightDtype
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"
 
@@ -168,7 +169,7 @@ JOB_MODES: dict[str, type[BaseModel]] = {
 
 class DeployConfig(_Strict):
     model: str = Field(min_length=1, description="a Hugging Face checkpoint directory or its config.json")
-    dtype: Literal["auto", "bfloat16", "float32", "fp8"] = "auto"
+    dtype: WeightDtype = "auto"
     # Projections quantized at load (model/quantization.py); "none" runs the checkpoint as it is.
     quantization: Quantization = "none"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

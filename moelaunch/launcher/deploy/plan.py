@@ -3,7 +3,7 @@ how much device memory it needs. Built from the deployment file and the model's 
 starts nothing, so `launch plan` can check a 671B deployment on a laptop.
 
 Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
-- weights: the tensors of the rank's shard as the real builder makes it (parallel.build_shard, on the meta
+- weights: the tensors of the rank's shard as the real builder makes it (parallel.MeshShard, on the meta
   device): its stage's layers; of those its 1/tp slice of attention heads (q_b, kv_b, o_proj), dense
   MLPs, shared experts and vocab (embedding on the first stage, lm_head on the last); its EP share of
   routed experts; and in full what every TP rank replicates (q_a and kv_a projections, norms, the router
@@ -142,10 +142,10 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     except ValueError as e:
         raise cfg.error("model", cfg.model, f"a DeepSeek checkpoint directory or config.json ({e})") from None
     p = cfg.parallel
-    mesh = MeshShape(dp=p.dp, pp=p.pp, tp=p.tp)
+    mesh = MeshShape(p.tp, p.dp, p.pp)
     _check_devices(cfg, mesh)
     try:
-        check_layout(args, mesh.tp, mesh.ep, mesh.pp)
+        check_layout(args, mesh)
     except LayoutError as e:
         raise LayoutError(
             f"{cfg.source}: parallel tp={p.tp} dp={p.dp} pp={p.pp} does not split the model: {e}"
@@ -289,7 +289,7 @@ def _rank_plan(
 ) -> RankPlan:
     """`shards` caches weight parts by (stage, experts held): ranks alike in both hold the same shapes,
     so one shard is built on the meta device for all of them."""
-    pp, dp, tp = mesh.coords(rank)
+    tp, dp, pp = mesh.coords(rank)
     ep = rank % mesh.ep  # position in its stage's EP group (dp-major, tp-minor)
     layers = stages[pp]
     experts = placement.experts_of(ep) if placement else []

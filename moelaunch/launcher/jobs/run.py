@@ -20,6 +20,8 @@ from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_llm import RayLLM
+from moelaunch.model.weight_spec import WeightSpec
+from moelaunch.parallel.mesh import MeshShape
 from moelaunch.tasks.capabilities import capabilities_line
 
 DEMO_QUESTIONS = (
@@ -37,12 +39,9 @@ def engine_spec(cfg: DeployConfig) -> EngineSpec:
         raise cfg.error(
             "model", cfg.model, "a checkpoint directory to run (a config.json only serves `plan`)"
         )
-    dtype, fp8 = ("auto", "keep") if cfg.dtype == "fp8" else (cfg.dtype, "auto")
     p = cfg.parallel
-    timeout_s = cfg.cluster.timeouts.collective_s
-    return EngineSpec(
-        str(model), p.tp, p.dp, p.pp, dtype, fp8, cfg.engine, p.expert_placement, timeout_s, cfg.quantization
-    )
+    weights = WeightSpec(str(model), cfg.dtype, cfg.quantization, p.expert_placement)
+    return EngineSpec(weights, MeshShape(p.tp, p.dp, p.pp), cfg.engine, cfg.cluster.timeouts.collective_s)
 
 
 def open_local(cfg: DeployConfig, spec: EngineSpec) -> LLM:
@@ -100,9 +99,10 @@ def run_bench_job(client: LLM, cfg: DeployConfig) -> int:
     from moelaunch.measure.bench.workloads import warmup_case
 
     job = cfg.job
-    opts = BenchOptions(model=client.spec.model, num_requests=job.num_requests, input_len=job.input_len,
+    model = client.spec.weights.model
+    opts = BenchOptions(model=model, num_requests=job.num_requests, input_len=job.input_len,
                         output_len=job.output_len)  # fmt: skip
-    vocab = json.loads((Path(client.spec.model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     results = {OURS: run_ours_on(client, build_cases(opts, vocab), warmup_case(vocab))}
     print(results_table(results))
     print(json.dumps(results))
