@@ -11,6 +11,7 @@ from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.expert_dispatch import ExpertDispatch, LocalDispatch
 from moelaunch.model.linear import Linear
 from moelaunch.model.loading import load_model
+from moelaunch.model.sharding import WHOLE
 from moelaunch.model.transformer import Transformer
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
@@ -59,16 +60,25 @@ class MeshShard:
     def holds_layer(self, layer_id: int) -> bool:
         return layer_id in self.stage_layers
 
+    # With tp=1 nothing is split or summed: the plain layers, so the step makes no collective calls for them.
     def column(self, in_features: int, out_features: int) -> Linear:
+        if self.tp_size == 1:
+            return WHOLE.column(in_features, out_features)
         return ColumnParallelLinear(in_features, out_features, self.mesh.tp)
 
     def row(self, in_features: int, out_features: int) -> Linear:
+        if self.tp_size == 1:
+            return WHOLE.row(in_features, out_features)
         return RowParallelLinear(in_features, out_features, self.mesh.tp)
 
     def embedding(self, vocab_size: int, dim: int) -> nn.Module:
+        if self.tp_size == 1:
+            return WHOLE.embedding(vocab_size, dim)
         return VocabParallelEmbedding(vocab_size, dim, self.mesh.tp)
 
     def head(self, dim: int, vocab_size: int) -> Linear:
+        if self.tp_size == 1:
+            return WHOLE.head(dim, vocab_size)
         return VocabParallelHead(dim, vocab_size, self.mesh.tp)
 
     def expert_dispatch(self, n_experts: int) -> ExpertDispatch:

@@ -1,12 +1,12 @@
 """Which files one decode step runs through, and which package boundaries it crosses.
 
-    python -m benchmarks.step_trace [--model checkpoints/small] [--batch 4]
+    python -m moelaunch.measure.step_trace [--model checkpoints/small] [--batch 4] [--tp 2]
 
 Runs the bundled model (or any checkpoint) through the engine, prefills `--batch` prompts, then profiles
-one decode step (`LLMEngine.step`) with sys.setprofile. Prints the moelaunch files in the order the step
-first enters them, and every call from one subpackage into another with its count: the decode step as
-docs/architecture.md draws it. A call from a lower layer into a higher one (per .importlinter) is marked
-as going back up.
+one decode step (`LLMEngine.step`; rank 0's when --tp/--dp/--pp start more ranks) with sys.setprofile.
+Prints the moelaunch files in the order the step first enters them, and every call from one subpackage
+into another with its count: the decode step as docs/architecture.md draws it. A call from a lower
+layer into a higher one (per .importlinter) is marked as going back up.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
 
-REPO = Path(__file__).resolve().parents[1]
-PACKAGE_ROOT = REPO / "moelaunch"
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+REPO = PACKAGE_ROOT.parent
 
 
 def layer_order() -> dict[str, int]:
@@ -74,19 +74,26 @@ def trace_step(llm: LLM) -> tuple[list[str], Counter]:
     return files, crossings
 
 
+def trace_decode_step(llm: LLM, batch: int) -> tuple[list[str], Counter]:
+    """Prefill `batch` short prompts, take a first decode step, then trace the next one."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for i in range(batch):
+        llm.engine.add_request(f"trace{i}", [1, 5 + i, 6, 7], params)
+    for _ in range(2):
+        llm.engine.step()  # the prompts' prefill, then a first decode step (lazy set-up done)
+    return trace_step(llm)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(REPO / "checkpoints" / "small"))
     p.add_argument("--batch", type=int, default=4)
+    for name in ("tp", "dp", "pp"):
+        p.add_argument(f"--{name}", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(model=args.model, max_num_seqs=args.batch)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for i in range(args.batch):
-        llm.engine.add_request(f"r{i}", [1, 5 + i, 6, 7], params)
-    for _ in range(2):
-        llm.engine.step()  # the prompts' prefill, then a first decode step (lazy set-up done)
-    files, crossings = trace_step(llm)
+    llm = LLM(model=args.model, max_num_seqs=args.batch, tp=args.tp, dp=args.dp, pp=args.pp)
+    files, crossings = trace_decode_step(llm, args.batch)
     order = layer_order()
     print(f"decode step at batch {args.batch}: {len(files)} moelaunch files, in the order first entered")
     for f in files:
