@@ -31,8 +31,8 @@ from moelaunch.engine.drive import Request, drive
 from moelaunch.engine.engine import LLMEngine
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.outputs import RequestOutput
+from moelaunch.engine.progress_log import ProgressLog
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.launcher.jobs.progress_log import ProgressLog
 from moelaunch.text.reasoning import split_reasoning
 
 # Per-line sampling fields and the JSON types each accepts. `n` is absent on purpose: an output line

@@ -144,7 +144,7 @@ def run_in_slurm_allocation(cfg: DeployConfig, overrides: list[str]) -> int:
             "slurm",
             "inside a Slurm allocation only; submit with `launch slurm CONFIG.yaml`",
         )
-    from moelaunch.launcher.commands.slurm import run_in_allocation, sbatch_job
+    from moelaunch.launcher.deploy.slurm import run_in_allocation, sbatch_job
 
     return run_in_allocation(sbatch_job(cfg, Path(cfg.source), overrides))
 
