@@ -134,7 +134,8 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
             ) from None
         path = ".".join(str(part) for part in err["loc"]) or "(body)"
         given = f" (given {show_value(err['input'])})" if err["type"] != "missing" else ""
-        raise APIError(400, f"{path}: {err['msg']}{given}", field) from None
+        why = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        raise APIError(400, f"{path}: {why}{given}", field) from None
 
 
 def _check_model(state: ServerState, name: str) -> None:
