@@ -16,11 +16,10 @@ from moelaunch.launcher.serve.app import build_app
 from moelaunch.launcher.serve.engine_loop import EngineLoop
 from moelaunch.launcher.serve.handlers import ServerState
 from moelaunch.launcher.serve.metrics import ServeMetrics
-from moelaunch.launcher.serve.text import ReasoningSplit
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, GREEDY
 from moelaunch.tasks.problem_sets import held_out, held_out_conversations
 from moelaunch.tasks.tasks import MAX_DIGITS, Problem
-from moelaunch.text.reasoning import split_reasoning, with_reasoning
+from moelaunch.text.reasoning import ReasoningSplit, split_reasoning, with_reasoning
 from moelaunch.text.tokenizer import Tokenizer
 from moelaunch.training.small_model.data import encode
 from moelaunch.training.small_model.tokenizer import build_tokenizer, tokenizer_config

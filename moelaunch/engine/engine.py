@@ -52,6 +52,9 @@ class StepCommand:
         new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
         return cls(new, d["aborts"], d["stop"], d["keepalive"])
 
+    def to_dict(self) -> dict:
+        return {**vars(self), "new": [{**vars(n), "params": n.params.model_dump()} for n in self.new]}
+
 
 @dataclass
 class SeqUpdate:
@@ -227,7 +230,7 @@ class LLMEngine:
         mesh = self.mesh
         if mesh.world.size == 1:
             return command
-        sent = asdict(command) if command is not None else None
+        sent = command.to_dict() if command is not None else None
         received = broadcast_json(sent, mesh.global_ranks[0], mesh.world.pg, mesh.device)
         return command if command is not None else StepCommand.from_dict(received)
 

@@ -41,13 +41,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 
 def deployment_parser() -> argparse.ArgumentParser:
+    from moelaunch.launcher.commands import add_deployment_arguments
+
     p = argparse.ArgumentParser(
         prog="launch", description="Run the deployment a cluster YAML file describes."
     )
-    p.add_argument("config", nargs="?", help="cluster YAML (default: the embedded configs/local.yaml)")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. job.mode=chat"
-    )
+    add_deployment_arguments(p)
     p.epilog = f"Tools: launch {{{','.join(SUBCOMMANDS)}}} --help"
     return p
 
@@ -57,7 +56,7 @@ def run_deployment_command(argv: list[str]) -> int:
     from moelaunch.launcher.jobs.run import run_deployment
 
     args = deployment_parser().parse_args(argv)
-    return run_deployment(load_deploy_config(args.config, args.set), args.set)
+    return run_deployment(load_deploy_config(args.config, args.overrides), args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,3 +23,28 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     if not sep:
         return (text.removeprefix(THINK_START), "") if text.startswith(THINK_START) else (None, text)
     return head.removeprefix(THINK_START), answer
+
+
+class ReasoningSplit:
+    """A reply's streamed text as message fields: the think section as `reasoning_content` (DeepSeek's
+    API field), the rest as `content`. It relies on the think tags being single tokens, as in
+    DeepSeek-R1's vocabulary, so a streamed prefix never ends inside a tag."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent: tuple[str | None, str] = (None, "")  # the split of `text`, as sent so far
+
+    def delta(self, new_text: str) -> dict[str, str]:
+        self.text += new_text
+        (sent_reasoning, sent_answer), (reasoning, answer) = self._sent, split_reasoning(self.text)
+        self._sent = (reasoning, answer)
+        fields = {}
+        if reasoning is not None and len(reasoning) > len(sent_reasoning or ""):
+            fields["reasoning_content"] = reasoning[len(sent_reasoning or "") :]
+        if len(answer) > len(sent_answer):
+            fields["content"] = answer[len(sent_answer) :]
+        return fields or {"content": ""}
+
+    @property
+    def answer(self) -> str:
+        return self._sent[1]

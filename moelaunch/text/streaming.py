@@ -1,28 +1,35 @@
-"""Print a reply as its tokens arrive: the answer, not a think section before it."""
+"""A reply's text as its tokens arrive, for streaming it (the server's chunks, the chat's terminal).
+
+Each step the whole output is decoded again (a byte-level token can end inside a character), and only
+text that can no longer change is given out: a trailing partial character waits for its next byte, and
+the last (longest stop string - 1) characters wait until no stop string can still begin there, since
+the engine cuts the output at a stop string. The finished text is the engine's own, stop strings cut.
+"""
 
 from __future__ import annotations
 
-import sys
-from typing import TextIO
+from collections.abc import Sequence
 
-from moelaunch.engine.outputs import RequestOutput
-from moelaunch.text.reasoning import split_reasoning
 from moelaunch.text.tokenizer import Tokenizer
 
+REPLACEMENT = "\ufffd"  # what decoding shows for an incomplete UTF-8 sequence
 
-class TextStreamer:
-    """Step callback: prints the text a request's new tokens add. The whole reply is decoded each
-    time, because a byte-level token can end in the middle of a character. A think section (DeepSeek-R1's
-    hidden reasoning) is not printed; `text` is the answer after it."""
 
-    def __init__(self, tokenizer: Tokenizer, out: TextIO = sys.stdout) -> None:
+class IncrementalText:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
-        self.out = out
-        self.text = ""
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.sent = ""
 
-    def __call__(self, progress: RequestOutput) -> None:
-        ids = [t for t in progress.outputs[0].token_ids if t != self.tokenizer.eos_id]
-        text = split_reasoning(self.tokenizer.decode(ids))[1]
-        self.out.write(text[len(self.text) :])
-        self.out.flush()
-        self.text = text
+    def delta(self, token_ids: Sequence[int], finished_text: str | None = None) -> str:
+        """The text the output's tokens so far add (may be empty); `finished_text` is the engine's
+        text once the output is finished."""
+        if finished_text is not None:
+            text = finished_text
+        else:
+            text = self.tokenizer.decode(list(token_ids)).rstrip(REPLACEMENT)
+            text = text[: max(len(text) - self.hold, len(self.sent))]
+        if not text.startswith(self.sent):  # cannot happen with the holdback; never resend
+            return ""
+        out, self.sent = text[len(self.sent) :], text
+        return out

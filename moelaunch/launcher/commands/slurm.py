@@ -7,16 +7,13 @@ nodes directly instead of submitting a new job."""
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from moelaunch.cluster.errors import ClusterError
-from moelaunch.cluster.slurm.script import ADDRESS, SbatchJob, submit
+from moelaunch.cluster.slurm.script import submit
 from moelaunch.launcher.commands import add_deployment_arguments
-from moelaunch.launcher.deploy.config import DeployConfig, load_deploy_config
+from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.launcher.deploy.slurm import run_in_allocation, sbatch_job
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,28 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--here", action="store_true", help="inside an allocation: run on its nodes now instead of submitting"
     )
     p.set_defaults(func=run)
-
-
-def sbatch_job(cfg: DeployConfig, config: Path, overrides: list[str]) -> SbatchJob:
-    c = cfg.cluster
-    gpus = c.slurm.gpus_per_node if c.slurm.gpus_per_node is not None else c.devices_per_node
-    gpus = 0 if c.device == "cpu" else gpus
-    # Inside the job the same file runs on the Ray cluster the script starts.
-    sets = [*overrides, "cluster.backend=ray", f"cluster.address={ADDRESS}"]
-    command = [sys.executable, "-m", "moelaunch.launcher.cli", str(config.resolve())]
-    command += [arg for s in sets for arg in ("--set", s)]
-    return SbatchJob(
-        name=f"moelaunch-{config.stem}",
-        nodes=c.nodes,
-        slots_per_node=c.devices_per_node,
-        gpus_per_node=gpus,
-        time=c.slurm.time,
-        command=command,
-        workdir=str(Path.cwd()),
-        partition=c.slurm.partition,
-        account=c.slurm.account,
-        extra_args=c.slurm.extra_args,
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,28 +44,3 @@ def run(args: argparse.Namespace) -> int:
     job_id = submit(path)
     print(f"submitted Slurm job {job_id} ({path}); output: {job.workdir}/{job.name}-{job_id}.out")
     return 0
-
-
-def run_in_allocation(job: SbatchJob, environ: dict[str, str] | None = None) -> int:
-    """Run the sbatch script's body (Ray across the nodes, the deployment on the first) inside the
-    allocation this process runs in; returns the body's exit status."""
-    env = dict(os.environ if environ is None else environ)
-    if "SLURM_JOB_ID" not in env:
-        raise ClusterError(
-            "--here runs inside a Slurm allocation (SLURM_JOB_ID is not set): use salloc or sbatch"
-        )
-    # The body makes this node Ray's head and srun puts a node of Ray on the allocation's first nodes:
-    # from a login node (salloc without a shell on the nodes) the head would be outside the allocation.
-    if "SLURMD_NODENAME" not in env:
-        raise ClusterError(
-            f"--here must run on a node of job {env['SLURM_JOB_ID']} (SLURMD_NODENAME is not set): "
-            "e.g. `srun --nodes 1 --ntasks 1 launch slurm CONFIG --here`, or in the job's batch script"
-        )
-    have = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 0)
-    if have < job.nodes:
-        raise ClusterError(
-            f"cluster.nodes is {job.nodes} but job {env['SLURM_JOB_ID']} has {have} node(s) "
-            f"({env.get('SLURM_JOB_NODELIST', '?')})"
-        )
-    # No timeout: the job's own time limit bounds it, as it bounds the sbatch script.
-    return subprocess.run(["bash", "-c", job.body()], cwd=job.workdir, env=env, check=False).returncode

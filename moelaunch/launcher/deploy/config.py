@@ -15,9 +15,19 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from moelaunch.engine.config import EngineConfig
+from moelaunch.engine.sampling_params import SamplingParams, sampling_fields
 from moelaunch.model.quantization import Quantization
 from moelaunch.model.weight_spec import WeightDtype
 
@@ -113,10 +123,21 @@ class ClusterConfig(_Strict):
         return value
 
 
-class _Sampling(_Strict):
-    max_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.6, ge=0, description="0 means greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
+class _Job(_Strict):
+    def sampling(self) -> dict[str, Any]:
+        """The job's sampling fields, as SamplingParams takes them."""
+        return self.model_dump(include=set(_JOB_SAMPLING))
+
+    @model_validator(mode="after")
+    def _sampling_params(self) -> _Job:
+        SamplingParams(**self.sampling())  # the checks across fields (min_tokens <= max_tokens)
+        return self
+
+
+# A chat or batch job's sampling fields: SamplingParams' own but for n (one reply per turn or line),
+# with longer replies and some randomness by default.
+_JOB_SAMPLING = sampling_fields(exclude={"n"}, max_tokens=Field(256), temperature=Field(0.6))
+_Sampling = create_model("_Sampling", __base__=_Job, **_JOB_SAMPLING)
 
 
 class ChatJob(_Sampling):
@@ -381,6 +402,8 @@ def _explain(err: dict[str, Any], source: str, applied: dict[tuple[str, ...], st
         allowed = f"a number {ops[kind]} {bound}"
     elif kind == "string_pattern_mismatch":
         allowed = f"a string matching {ctx['pattern']}"
+    elif kind == "value_error" and str(ctx["error"]).startswith("must be "):
+        allowed = str(ctx["error"]).removeprefix("must be ")  # SamplingParams' rules
     elif kind == "value_error":
         # our validators write "given ...; allowed: ..." themselves
         return f"{source}: {path}: {ctx['error']}{_from_set(applied, path)}"

@@ -8,8 +8,24 @@ import sys
 from collections.abc import Callable, Iterable
 
 from moelaunch.engine.drive import run_to_completion
+from moelaunch.engine.outputs import RequestOutput
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.text.streaming import TextStreamer
+from moelaunch.text.reasoning import ReasoningSplit
+from moelaunch.text.streaming import IncrementalText
+from moelaunch.text.tokenizer import Tokenizer
+
+
+class AnswerPrinter:
+    """Step callback: prints the answer a request's new tokens add, not a think section before it
+    (DeepSeek-R1's hidden reasoning)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.text, self.split = IncrementalText(tokenizer), ReasoningSplit()
+
+    def __call__(self, progress: RequestOutput) -> None:
+        c = progress.outputs[0]
+        new = self.text.delta(c.token_ids, c.text if progress.finished else None)
+        print(self.split.delta(new).get("content", ""), end="", flush=True)
 
 
 def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines: Iterable[str]) -> None:
@@ -23,10 +39,10 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
             continue
         messages.append({"role": "user", "content": line})
         engine.add_request(f"chat-{turn}", tokenizer.encode_chat(messages), params(turn))
-        streamer = TextStreamer(tokenizer)
-        run_to_completion(engine, streamer)
+        reply = AnswerPrinter(tokenizer)
+        run_to_completion(engine, reply)
         print(flush=True)
-        messages.append({"role": "assistant", "content": streamer.text})
+        messages.append({"role": "assistant", "content": reply.split.answer})
 
 
 def terminal_lines(

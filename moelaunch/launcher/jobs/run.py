@@ -55,9 +55,8 @@ def run_chat(client: LLM, cfg: DeployConfig) -> int:
     job = cfg.job
 
     def params(turn: int) -> SamplingParams:
-        return SamplingParams(
-            temperature=job.temperature, top_p=job.top_p, max_tokens=job.max_tokens, seed=turn
-        )
+        # Each turn draws from its own seed, the same on every run.
+        return SamplingParams(**{**job.sampling(), "seed": (job.seed or 0) + turn})
 
     if (line := capabilities_line(cfg.model)) is not None:
         print(line)
@@ -86,8 +85,10 @@ def run_batch_job(client: LLM, cfg: DeployConfig) -> int:
     from moelaunch.launcher.jobs.batch import run_batch
 
     job = cfg.job
-    defaults = {"temperature": job.temperature, "top_p": job.top_p, "max_tokens": job.max_tokens}
-    summary = run_batch(client, Path(job.input), Path(job.output), defaults)
+    defaults = job.sampling()
+    # A line without a seed draws from the job's seed + a hash of its id (batch.default_seed).
+    base_seed = defaults.pop("seed") or 0
+    summary = run_batch(client, Path(job.input), Path(job.output), defaults, base_seed)
     print(summary.line(Path(job.output)))
     return 0
 
@@ -144,7 +145,7 @@ def run_in_slurm_allocation(cfg: DeployConfig, overrides: list[str]) -> int:
             "slurm",
             "inside a Slurm allocation only; submit with `launch slurm CONFIG.yaml`",
         )
-    from moelaunch.launcher.commands.slurm import run_in_allocation, sbatch_job
+    from moelaunch.launcher.deploy.slurm import run_in_allocation, sbatch_job
 
     return run_in_allocation(sbatch_job(cfg, Path(cfg.source), overrides))
 

@@ -26,7 +26,9 @@ from moelaunch.launcher.serve import responses
 from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
 from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest
-from moelaunch.launcher.serve.text import IncrementalText, ReasoningSplit, chat_message
+from moelaunch.launcher.serve.text import chat_message
+from moelaunch.text.reasoning import ReasoningSplit
+from moelaunch.text.streaming import IncrementalText
 from moelaunch.text.tokenizer import Tokenizer
 
 DISCONNECT_POLL_S = 0.5
@@ -132,7 +134,8 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
             ) from None
         path = ".".join(str(part) for part in err["loc"]) or "(body)"
         given = f" (given {show_value(err['input'])})" if err["type"] != "missing" else ""
-        raise APIError(400, f"{path}: {err['msg']}{given}", field) from None
+        why = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        raise APIError(400, f"{path}: {why}{given}", field) from None
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -301,7 +304,7 @@ async def _events(
                 index = call.first_index(progress.request_id) + c.index
                 text = texts.setdefault(index, IncrementalText(state.tokenizer, stops))
                 offset = len(text.sent)
-                delta = text.delta(c)
+                delta = text.delta(c.token_ids, c.text if c.finish_reason is not None else None)
                 start, end = tokens_sent.get(index, 0), len(c.token_ids)
                 tokens_sent[index] = end
                 # A chunk for every step that brought tokens, even when their text is held back or empty

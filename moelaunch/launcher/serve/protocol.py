@@ -1,20 +1,18 @@
 """The OpenAI request bodies the server accepts, validated into the engine's SamplingParams.
 
-Field names and defaults follow OpenAI's API (with vLLM's extensions top_k, min_tokens, ignore_eos and
-stop_token_ids). Unknown fields are refused (400, naming the field) rather than silently ignored, except
+The sampling fields are SamplingParams' own (OpenAI's names and defaults, with vLLM's extensions top_k,
+min_tokens, ignore_eos and stop_token_ids); max_tokens and logprobs are mapped from their OpenAI forms
+here. Unknown fields are refused (400, naming the field) rather than silently ignored, except
 the few clients send by habit whose values change nothing here (user, zero penalties).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
-from moelaunch.engine.sampling_params import SamplingParams
-
-# 2^63: seeds seed a torch.Generator, which takes a signed 64-bit value.
-MAX_SEED = 2**63 - 1
+from moelaunch.engine.sampling_params import SamplingParams, sampling_fields
 
 
 class StreamOptions(BaseModel):
@@ -22,51 +20,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Request(BaseModel):
+    """What every request body has besides its sampling fields."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1)
-    n: int = Field(1, ge=1, le=16)
-    min_tokens: int = Field(0, ge=0)
-    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     presence_penalty: Literal[0, 0.0] = 0
     frequency_penalty: Literal[0, 0.0] = 0
 
-    @field_validator("top_k")
-    @classmethod
-    def _top_k(cls, value: int) -> int:
-        if value == 0:
-            raise ValueError("0 is no token; use -1 for no limit or a count >= 1")
-        return value
-
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            max_tokens=max_tokens,
-            min_tokens=min(self.min_tokens, max_tokens),
-            stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids),
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            logprobs=logprobs,
-            n=self.n,
-        )
+        sampling = self.model_dump(include=set(_WIRE_SAMPLING))
+        # min_tokens is capped by the max_tokens that the context leaves, not refused.
+        sampling["min_tokens"] = min(sampling["min_tokens"], max_tokens)
+        return SamplingParams(**sampling, max_tokens=max_tokens, logprobs=logprobs)
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+# SamplingParams' fields, with OpenAI's bounds on temperature and n; max_tokens and logprobs have their
+# OpenAI names and forms in each request type.
+_WIRE_SAMPLING = sampling_fields(exclude={"max_tokens", "logprobs"}, temperature=Field(le=2), n=Field(le=16))
+_Sampling = create_model("_Sampling", __base__=_Request, **_WIRE_SAMPLING)
 
 
 class TextPart(BaseModel):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import uvicorn
 
+from moelaunch.engine.progress_log import ProgressLog
 from moelaunch.engine.stats import EngineStats
 from moelaunch.launcher.deploy.config import DeployConfig
-from moelaunch.launcher.jobs.progress_log import ProgressLog
 from moelaunch.launcher.serve.app import build_app
 from moelaunch.launcher.serve.engine_loop import EngineLoop, Progress
 from moelaunch.launcher.serve.handlers import ServerState

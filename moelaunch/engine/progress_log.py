@@ -1,5 +1,5 @@
-"""A one-line summary every few seconds while a job runs: throughput since the last line and the
-engine's load (the same figures /metrics exports, for jobs that a person watches in a log)."""
+"""A one-line summary every few seconds while the engine runs a job: throughput since the last line
+and the engine's load (the same figures /metrics exports, for jobs that a person watches in a log)."""
 
 from __future__ import annotations
 
