@@ -76,6 +76,13 @@ def test_streamed_split_adds_up_to_the_whole():
     assert "".join(f.get("content", "") for f in fields) == "-42"
     plain = ReasoningSplit()
     assert [plain.delta(t) for t in ("ke", "eS")] == [{"content": "ke"}, {"content": "eS"}]
+    opened = ReasoningSplit(opened=True)  # the prompt opened <think>, as DeepSeek-R1's template does
+    assert [opened.delta(t) for t in ("thought", "</think>", "42")] == [
+        {"reasoning_content": "thought"},
+        {"content": ""},
+        {"content": "42"},
+    ]
+    assert split_reasoning("thought", opened=True) == ("thought", "")  # cut off while thinking
 
 
 def test_think_tags_are_single_tokens_and_the_history_drops_them():
@@ -105,10 +112,9 @@ def test_training_scores_the_last_reply_whole_and_earlier_answers_written_withou
     ) == bool(conversation[last].reasoning)
 
 
-@pytest.fixture(scope="module")
-def api():
-    """The bundled model behind the HTTP app, in process, with the offline API beside it."""
-    llm = LLM(str(DEFAULT_CHECKPOINT))
+def _serve(checkpoint: str):
+    """A checkpoint behind the HTTP app, in process, with the offline API beside it."""
+    llm = LLM(checkpoint)
     loop = EngineLoop(llm.engine, capacity=8, keepalive_s=60)
     state = ServerState(loop, llm.tokenizer, "small", llm.engine.max_model_len, ServeMetrics(), None, 2**20)
     loop.start()
@@ -120,21 +126,69 @@ def api():
         llm.shutdown()
 
 
+@pytest.fixture(scope="module")
+def api():
+    yield from _serve(str(DEFAULT_CHECKPOINT))
+
+
+@pytest.fixture(scope="module")
+def r1_api(tmp_path_factory):
+    """The bundled model with DeepSeek-R1's style of template: the generation prompt opens <think>, so
+    the reply starts inside the think section."""
+    checkpoint = tmp_path_factory.mktemp("r1-template")
+    for f in DEFAULT_CHECKPOINT.iterdir():
+        (checkpoint / f.name).write_bytes(f.read_bytes())
+    config_path = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    prompt = "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"
+    assert prompt in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(
+        prompt, "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>' }}{% endif %}"
+    )
+    config_path.write_text(json.dumps(config))
+    yield from _serve(str(checkpoint))
+
+
+def _whole_and_streamed(client: TestClient, body: dict) -> tuple[dict, list[dict]]:
+    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    return message, [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+
+
 def test_api_returns_the_steps_as_reasoning_content(api):
     client, llm = api
     messages = [{"role": "user", "content": "What is 12+34?"}]
     raw = llm.chat([messages], GREEDY)[0].outputs[0].text
     body = {"model": "small", "messages": messages, "temperature": 0, "max_tokens": GREEDY.max_tokens}
-    message = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    message, deltas = _whole_and_streamed(client, body)
     assert (
         message["reasoning_content"]
         and with_reasoning(message["reasoning_content"], message["content"]) == raw
     )
-    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
-        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == message["reasoning_content"]
     assert "".join(d.get("content", "") for d in deltas) == message["content"]
+
+
+def test_a_template_that_opens_the_think_section_streams_it_once(api, r1_api, tmp_path):
+    """With <think> in the prompt the model writes the same tokens after it; the reasoning goes out as
+    reasoning_content only, whole and streamed, in the chat API and in batch results."""
+    body = {"model": "small", "messages": [{"role": "user", "content": "What is 12+34?"}], "temperature": 0}
+    body["max_tokens"] = GREEDY.max_tokens
+    expected, _ = _whole_and_streamed(api[0], body)
+    client, llm = r1_api
+    message, deltas = _whole_and_streamed(client, body)
+    assert message == expected and expected["reasoning_content"]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == expected["reasoning_content"]
+    assert "".join(d.get("content", "") for d in deltas) == expected["content"]
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text(json.dumps({"id": "chat", "messages": body["messages"]}) + "\n")
+    run_batch(llm, source, results, {"temperature": 0, "max_tokens": GREEDY.max_tokens}, progress=False)
+    record = json.loads(results.read_text())
+    assert (record["reasoning_content"], record["text"]) == (
+        expected["reasoning_content"],
+        expected["content"],
+    )
 
 
 def test_batch_results_carry_the_steps_apart_for_chats_only(api, tmp_path):

@@ -6,7 +6,11 @@ chat template drops the reasoning of earlier turns from the history, as R1's tem
 
 from __future__ import annotations
 
+from moelaunch.text.tokenizer import Tokenizer
+
 THINK_START, THINK_END = "<think>", "</think>"
+# Enough of a prompt's last tokens to hold "<think>" and the whitespace a template puts after it.
+PROMPT_TAIL_TOKENS = 8
 
 
 def with_reasoning(reasoning: str, answer: str) -> str:
@@ -14,11 +18,21 @@ def with_reasoning(reasoning: str, answer: str) -> str:
     return f"{THINK_START}{reasoning}{THINK_END}{answer}" if reasoning else answer
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
+def prompt_opens_reasoning(tokenizer: Tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether the chat template already opened the think section (DeepSeek-R1's ends its generation
+    prompt with `<think>\n`), so the reply starts inside it."""
+    tail = tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    return tail.rstrip().endswith(THINK_START)
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """(reasoning, answer) of a reply; reasoning is None when the reply has no closed think section.
 
     An unclosed section (the reply was cut off while thinking) is all reasoning and no answer yet.
+    `opened`: the prompt opened the section (prompt_opens_reasoning), so the reply starts in it.
     """
+    if opened:
+        text = THINK_START + text
     head, sep, answer = text.partition(THINK_END)
     if not sep:
         return (text.removeprefix(THINK_START), "") if text.startswith(THINK_START) else (None, text)
@@ -28,10 +42,11 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
 class ReasoningSplit:
     """A reply's streamed text as message fields: the think section as `reasoning_content` (DeepSeek's
     API field), the rest as `content`. It relies on the think tags being single tokens, as in
-    DeepSeek-R1's vocabulary, so a streamed prefix never ends inside a tag."""
+    DeepSeek-R1's vocabulary, so a streamed prefix never ends inside a tag. `opened`: as for
+    split_reasoning; without it the reasoning of an R1-style reply would go out first as content."""
 
-    def __init__(self) -> None:
-        self.text = ""
+    def __init__(self, opened: bool = False) -> None:
+        self.text = THINK_START if opened else ""
         self._sent: tuple[str | None, str] = (None, "")  # the split of `text`, as sent so far
 
     def delta(self, new_text: str) -> dict[str, str]:

@@ -33,7 +33,8 @@ from moelaunch.engine.llm import LLM
 from moelaunch.engine.outputs import RequestOutput
 from moelaunch.engine.progress_log import ProgressLog
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.text.reasoning import split_reasoning
+from moelaunch.text.reasoning import prompt_opens_reasoning, split_reasoning
+from moelaunch.text.tokenizer import Tokenizer
 
 # A line's sampling fields: SamplingParams' own, but for n (an output line holds one completion; repeat
 # the line with other ids for more samples).
@@ -183,11 +184,14 @@ def _result_id(raw: bytes) -> str | None:
     return str(obj["id"]) if isinstance(obj, dict) and "id" in obj else None
 
 
-def result_record(job: BatchRequest, out: RequestOutput) -> dict[str, Any]:
+def result_record(job: BatchRequest, out: RequestOutput, tokenizer: Tokenizer) -> dict[str, Any]:
     c = out.outputs[0]
     # A chat reply's think section is returned apart, as the API's reasoning_content; a raw prompt's
     # continuation is returned as generated.
-    reasoning, text = split_reasoning(c.text) if job.messages is not None else (None, c.text)
+    if job.messages is not None:
+        reasoning, text = split_reasoning(c.text, prompt_opens_reasoning(tokenizer, out.prompt_token_ids))
+    else:
+        reasoning, text = None, c.text
     record: dict[str, Any] = {
         "id": job.id,
         "text": text,
@@ -290,7 +294,7 @@ def run_batch(
                 new_tokens += n - seen_tokens.get(out.request_id, 0)
                 seen_tokens[out.request_id] = n
                 if out.finished:
-                    finished.append(result_record(in_flight.pop(out.request_id), out))
+                    finished.append(result_record(in_flight.pop(out.request_id), out, llm.tokenizer))
                     del seen_tokens[out.request_id]
             summary.completion_tokens += new_tokens
             log.count(new_tokens, len(finished))

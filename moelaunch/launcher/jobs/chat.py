@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.outputs import RequestOutput
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.text.reasoning import ReasoningSplit
+from moelaunch.text.reasoning import ReasoningSplit, prompt_opens_reasoning
 from moelaunch.text.streaming import IncrementalText
 from moelaunch.text.tokenizer import Tokenizer
 
@@ -19,8 +19,9 @@ class AnswerPrinter:
     """Step callback: prints the answer a request's new tokens add, not a think section before it
     (DeepSeek-R1's hidden reasoning)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.text, self.split = IncrementalText(tokenizer), ReasoningSplit()
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> None:
+        self.text = IncrementalText(tokenizer)
+        self.split = ReasoningSplit(prompt_opens_reasoning(tokenizer, prompt_ids))
 
     def __call__(self, progress: RequestOutput) -> None:
         c = progress.outputs[0]
@@ -38,8 +39,9 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
             messages.clear()
             continue
         messages.append({"role": "user", "content": line})
-        engine.add_request(f"chat-{turn}", tokenizer.encode_chat(messages), params(turn))
-        reply = AnswerPrinter(tokenizer)
+        prompt_ids = tokenizer.encode_chat(messages)
+        engine.add_request(f"chat-{turn}", prompt_ids, params(turn))
+        reply = AnswerPrinter(tokenizer, prompt_ids)
         run_to_completion(engine, reply)
         print(flush=True)
         messages.append({"role": "assistant", "content": reply.split.answer})

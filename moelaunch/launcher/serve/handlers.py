@@ -27,7 +27,7 @@ from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, Outpu
 from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest
 from moelaunch.launcher.serve.text import chat_message
-from moelaunch.text.reasoning import ReasoningSplit
+from moelaunch.text.reasoning import ReasoningSplit, prompt_opens_reasoning
 from moelaunch.text.streaming import IncrementalText
 from moelaunch.text.tokenizer import Tokenizer
 
@@ -75,6 +75,7 @@ class _Call:
     requests: list[Request]
     n: int
     logprobs: int | None
+    reasoning_opened: bool = False  # a chat whose template opened the think section (DeepSeek-R1's)
 
     def first_index(self, request_id: str) -> int:
         return next(i for i, r in enumerate(self.requests) if r.request_id == request_id) * self.n
@@ -89,6 +90,7 @@ async def chat_completions(state: ServerState, http: HTTPRequest) -> Any:
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
     call = _call(state, responses.CHAT, "chatcmpl", req, [(prompt_ids, None)])
+    call.reasoning_opened = prompt_opens_reasoning(state.tokenizer, prompt_ids)
     return await _respond(state, http, call, req.stream, req.include_usage, req.stop)
 
 
@@ -272,7 +274,10 @@ def _choice(
         else:
             logprobs = responses.completion_logprobs(state.tokenizer, c, start, end, text_offset)
     if call.kind == responses.CHAT:
-        key, fields = ("message", chat_message(text)) if delta is None else ("delta", delta.delta(text))
+        if delta is None:
+            key, fields = "message", chat_message(text, call.reasoning_opened)
+        else:
+            key, fields = "delta", delta.delta(text)
         return {"index": index, key: fields, "logprobs": logprobs, "finish_reason": c.finish_reason}
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
@@ -310,9 +315,9 @@ async def _events(
                 # A chunk for every step that brought tokens, even when their text is held back or empty
                 # (a partial character): clients time tokens by chunks.
                 if delta or c.finish_reason or end > start:
-                    split = (
-                        splits.setdefault(index, ReasoningSplit()) if call.kind == responses.CHAT else None
-                    )
+                    split = None
+                    if call.kind == responses.CHAT:
+                        split = splits.setdefault(index, ReasoningSplit(call.reasoning_opened))
                     chunk_choices.append(_choice(state, call, index, c, delta, start, end, offset, split))
             if chunk_choices:
                 yield _sse({**head, "choices": chunk_choices})

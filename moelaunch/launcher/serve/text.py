@@ -12,9 +12,10 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def chat_message(text: str) -> dict[str, str]:
-    """A finished chat choice's message: its answer, and its think section apart when it has one."""
-    reasoning, answer = split_reasoning(text)
+def chat_message(text: str, opened: bool) -> dict[str, str]:
+    """A finished chat choice's message: its answer, and its think section apart when it has one
+    (`opened`: the prompt opened it, as split_reasoning takes it)."""
+    reasoning, answer = split_reasoning(text, opened)
     message = {"role": "assistant", "content": answer}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
