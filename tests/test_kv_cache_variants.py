@@ -93,6 +93,24 @@ def test_fp8_store_and_gather_round_trip_within_the_e4m3_bound():
     assert PagedLatentCache.bytes_per_token(args, 1, torch.bfloat16) == 80
 
 
+def test_each_part_keeps_its_own_scale():
+    """A c_kv part 100x smaller than k_pe keeps e4m3's relative precision (<= 2^-4 of each value), and
+    each part's largest magnitude is stored as 448: one scale shared by both parts would leave c_kv in
+    a few mantissa steps or in subnormals."""
+    g = torch.Generator().manual_seed(0)
+    c_dim = 32
+    c_kv = 0.01 * (torch.rand(5, c_dim, generator=g) + 0.5) * torch.sign(torch.randn(5, c_dim, generator=g))
+    k_pe = (torch.rand(5, 8, generator=g) + 0.5) * torch.sign(torch.randn(5, 8, generator=g))
+    latent = torch.cat([c_kv, k_pe], dim=-1)
+    values, scales = quantize_latent(latent, c_dim)
+    back = dequantize_latent(values, scales, c_dim)
+    relative = ((back - latent) / latent).abs()
+    assert relative[:, :c_dim].max() <= 2**-4 and relative[:, c_dim:].max() <= 2**-4
+    stored = values.float().abs()
+    assert torch.equal(stored[:, :c_dim].amax(-1), torch.full((5,), 448.0))
+    assert torch.equal(stored[:, c_dim:].amax(-1), torch.full((5,), 448.0))
+
+
 def test_zero_rows_quantize_to_zero():
     values, scales = quantize_latent(torch.zeros(3, 12), 8)
     assert torch.equal(dequantize_latent(values, scales, 8), torch.zeros(3, 12))
