@@ -298,16 +298,16 @@ def test_quantized_model_equals_its_dequantized_twin(dirs, method):
 
 
 def test_integer_logits_within_the_stated_bounds(tmp_path):
-    """Stated bounds, max |dlogit| / max |logit|: int8 2%, w8a8 3%, int4 34%. int8:  Derivation: int8 moves each weight by at most
-    s/2 = amax_row/254; for Gaussian rows (amax ~ 3 sigma at K <= 128) that is uniform rounding noise of
-    std (amax/127)/sqrt(12) ~ 0.7% of a weight's sigma, so each projection's output carries ~0.7%
-    relative noise. 7 projections per layer x 3 layers add in quadrature: sqrt(21) x 0.7% ~ 3% of a
-    hidden state, and the RMSNorms and the residual stream damp it (measured ~0.6%): 2% leaves margin and
-    still fails for int4 (16x coarser steps, measured ~7-10%). w8a8 adds the same 0.7%-per-projection
-    noise on the activations (127 steps of each token's largest magnitude), independent of the weights'
-    own: sqrt(2) x 2% ~ 3%. int4 rounds to 15 steps of each group's range (~2 amax) instead of 127 of
-    amax: 16.9x int8's step, so 16.9 x 2% ~ 34%. Measured: int8 0.56%, w8a8 0.85%, int4 10.7%. A dense
-    model: a routing flip (MoE) is a discontinuity no weight-error bound covers."""
+    """Stated bounds, max |dlogit| / max |logit|: int8 2%, w8a8 3%, int4 34%. Derivation: int8 moves each
+    weight by at most s/2 = amax_row/254; for Gaussian rows (amax ~ 3 sigma at K <= 128) that is uniform
+    rounding noise of std (amax/127)/sqrt(12) ~ 0.7% of a weight's sigma, so each projection's output
+    carries ~0.7% relative noise. 7 projections per layer x 3 layers add in quadrature: sqrt(21) x 0.7% ~
+    3% of a hidden state, and the RMSNorms and the residual stream damp it (measured ~0.6%): 2% leaves
+    margin and still fails for int4 (16x coarser steps, measured ~7-10%). w8a8 adds the same 0.7%-per-
+    projection noise on the activations (127 steps of each token's largest magnitude), independent of the
+    weights' own: sqrt(2) x 2% ~ 3%. int4 rounds to 15 steps of each group's range (~2 amax) instead of
+    127 of amax: 16.9x int8's step, so 16.9 x 2% ~ 34%. Measured: int8 0.56%, w8a8 0.85%, int4 10.7%. A
+    dense model: a routing flip (MoE) is a discontinuity no weight-error bound covers."""
     original = make_hf_model(tmp_path / "dense", "v3", initializer_range=0.02, first_k_dense_replace=3)
     reference = load_model(original)(IDS)
     scale = reference.abs().max().item()
