@@ -20,8 +20,9 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-# Skips CI accepts, each with why: (test id prefix, part of the skip reason). Anything else that skips
-# under CI fails the run: a suite that is green because it skipped proves nothing.
+# Skips CI accepts, each with why: (test id prefix, part of the skip reason). Anything else that skips or
+# xfails under CI fails the run: a suite that is green because it skipped proves nothing, and an xfail is a
+# skip that ran.
 EXPECTED_SKIPS: list[tuple[str, str, str]] = [
     (
         "tests/test_cuda_kernels.py::",
@@ -48,24 +49,28 @@ def is_expected_skip(nodeid: str, reason: str) -> bool:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under CI (CI=true) a skip that is not in EXPECTED_SKIPS fails the run."""
+    """Under CI (CI=true) a skip or an xfail that is not in EXPECTED_SKIPS fails the run."""
     if os.environ.get("CI") != "true":
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
-    unexpected = [r for r in skipped if not is_expected_skip(r.nodeid, _skip_reason(r))]
+    stats = reporter.stats if reporter is not None else {}
+    not_run = [*stats.get("skipped", []), *stats.get("xfailed", [])]
+    unexpected = [r for r in not_run if not is_expected_skip(r.nodeid, _skip_reason(r))]
     if unexpected and exitstatus == 0:
         for report in unexpected:
-            reporter.write_line(f"CI: unexpected skip {report.nodeid}: {_skip_reason(report)}", red=True)
+            kind = "xfail" if hasattr(report, "wasxfail") else "skip"
+            reporter.write_line(f"CI: unexpected {kind} {report.nodeid}: {_skip_reason(report)}", red=True)
         reporter.write_line(
-            f"CI: {len(unexpected)} test(s) skipped that EXPECTED_SKIPS (tests/conftest.py) does not allow; "
-            "failing the run",
+            f"CI: {len(unexpected)} test(s) skipped or xfailed that EXPECTED_SKIPS (tests/conftest.py) does "
+            "not allow; failing the run",
             red=True,
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _skip_reason(report: pytest.TestReport) -> str:
+    if hasattr(report, "wasxfail"):
+        return report.wasxfail
     # a skip's longrepr is (file, line, "Skipped: reason")
     longrepr = report.longrepr
     return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)

@@ -12,10 +12,13 @@ from pathlib import Path
 from conftest import EXPECTED_SKIPS
 
 SKIPPING = 'import pytest\n\n\ndef test_skips():\n    pytest.skip("{reason}")\n'
+XFAILING = (
+    'import pytest\n\n\n@pytest.mark.xfail(reason="not working yet")\ndef test_xfails():\n    assert False\n'
+)
 
 
-def run_ci_pytest(root: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CI": "true"}
+def run_ci_pytest(root: Path, ci: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": "true"} if ci else {})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root), "tests"]
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=120)
 
@@ -35,3 +38,24 @@ def test_only_the_allowed_skips_pass_under_ci(tmp_path):
     assert done.returncode == 1
     assert "CI: unexpected skip tests/test_other.py::test_skips" in done.stdout, done.stdout[-2000:]
     assert "test_cuda_kernels" not in done.stdout.split("unexpected skip", 1)[1].split("\n")[0]
+
+
+def test_an_xfail_fails_a_ci_run_as_a_skip_does(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), tests / "conftest.py")
+    (tests / "test_xfails.py").write_text(XFAILING)
+    done = run_ci_pytest(tmp_path)
+    assert done.returncode == 1
+    assert "CI: unexpected xfail tests/test_xfails.py::test_xfails: not working yet" in done.stdout, (
+        done.stdout
+    )
+    outside_ci = subprocess.run(  # a developer's run reports it and passes
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "tests"],
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "CI"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert outside_ci.returncode == 0 and "1 xfailed" in outside_ci.stdout, outside_ci.stdout
