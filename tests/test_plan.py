@@ -180,6 +180,17 @@ def tiny(tmp_path: Path, **more) -> Path:
     return plan_file(tmp_path, model=TINY, parallel={"tp": 2}, cluster=cluster, **more)
 
 
+@pytest.mark.parametrize("parallel, nodes, per_node", [({"tp": 2}, 1, 2), ({"tp": 2, "dp": 2}, 2, 2)])
+def test_devices_per_node_defaults_to_what_the_layout_needs(tmp_path, parallel, nodes, per_node):
+    """A layout needs no devices_per_node line, as LLM(tp=2) needs none; a given one still counts."""
+    cluster = {"backend": "ray", "nodes": nodes, "device": "cpu", "device_memory_gb": 1}
+    cfg = load_deploy_config(plan_file(tmp_path, model=TINY, parallel=parallel, cluster=cluster))
+    assert cfg.cluster.devices_per_node == per_node and build_plan(cfg).mesh.world == nodes * per_node
+    given = plan_file(tmp_path, model=TINY, parallel=parallel, cluster={**cluster, "devices_per_node": 8})
+    with pytest.raises(LayoutError, match="nodes\\*devices_per_node"):
+        build_plan(load_deploy_config(given))
+
+
 def test_cpu_auto_dtype_is_float32(tmp_path):
     plan = build_plan(load_deploy_config(tiny(tmp_path, engine={"max_model_len": 1024, "max_num_seqs": 2})))
     assert (plan.dtype, plan.device, plan.value_bytes) == ("float32", "cpu", 4)

@@ -93,7 +93,11 @@ class ClusterConfig(_Strict):
     backend: Literal["local", "ray", "slurm"] = "local"
     address: str = Field("auto", description="ray: auto (start an embedded cluster) or host:port of a head")
     nodes: int = Field(1, ge=1)
-    devices_per_node: int = Field(1, ge=1, description="GPUs, or CPU worker slots on CPU-only machines")
+    devices_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="GPUs, or CPU worker slots on CPU-only machines; default: what the layout needs per node",
+    )
     device: Literal["auto", "cuda", "cpu"] = "auto"
     device_memory_gb: float | None = Field(
         None, gt=0, description="memory of one device in GB (1e9 B); cpu: RAM per worker slot"
@@ -209,6 +213,15 @@ class DeployConfig(_Strict):
         if isinstance(value, dict):
             return {"max_num_seqs": DEPLOYMENT_MAX_NUM_SEQS, **value}
         return value
+
+    @model_validator(mode="after")
+    def _devices_the_layout_needs(self) -> DeployConfig:
+        # Unset, a node has the devices its share of the layout needs (tp=2 on one node: 2), as LLM(tp=2)
+        # needs no such setting; a layout that does not split over the nodes is left to the plan's message.
+        c, world = self.cluster, self.parallel.tp * self.parallel.dp * self.parallel.pp
+        if c.devices_per_node is None:
+            c.devices_per_node = world // c.nodes if world % c.nodes == 0 else 1
+        return self
 
     _overrides: dict[tuple[str, ...], str] = PrivateAttr(default_factory=dict)
 
