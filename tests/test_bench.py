@@ -29,6 +29,14 @@ def bench_model(tmp_path_factory):
     return path
 
 
+def test_make_model_refuses_a_directory_that_holds_files(bench_model, capsys):
+    """`--make-model checkpoints/small` once replaced the bundled model with random weights."""
+    before = {f.name: f.read_bytes() for f in bench_model.iterdir()}
+    assert main(["bench", "--make-model", str(bench_model)]) == 1
+    assert f"destination {bench_model} exists and is not an empty directory" in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in bench_model.iterdir()} == before
+
+
 def test_bench_model_fits_vllm_cpu_mla(bench_model):
     path = bench_model
     config = json.loads((path / "config.json").read_text())

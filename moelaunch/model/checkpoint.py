@@ -142,6 +142,13 @@ def check_new_checkpoint_dir(src: str | Path, dst: str | Path) -> None:
     src, dst = Path(src), Path(dst)
     if dst.resolve() == src.resolve():
         raise ValueError(f"destination {dst} is the source checkpoint: choose a new directory")
+    check_empty_destination(dst)
+
+
+def check_empty_destination(dst: str | Path) -> None:
+    """Refuse a destination that already holds files (another checkpoint would be overwritten, or mixed
+    with this one): it must be new or an empty directory."""
+    dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"destination {dst} exists and is not an empty directory: choose a new one")
 

@@ -22,6 +22,7 @@ import httpx
 
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.bench.tables import ratios_table, results_table
+from moelaunch.model.checkpoint import check_empty_destination
 from moelaunch.model.config import load_args
 
 
@@ -165,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if args.make_model:
         from moelaunch.measure.random_checkpoint import write_random_checkpoint
 
+        check_empty_destination(args.make_model)  # e.g. checkpoints/small must not become random weights
         print(f"bench model written to {write_random_checkpoint(args.make_model, 'bench', tokenizer=True)}")
         return 0
     if args.rounds < 1:
