@@ -204,3 +204,25 @@ def test_an_output_that_cannot_be_written_fails_before_the_model_loads(tmp_path,
     assert main([*args, "--output", str(tmp_path / output)]) == 1
     err = capsys.readouterr().err
     assert says in err and "--output" in err  # the checkpoint (missing) was never looked at
+
+
+@pytest.mark.parametrize(
+    "flag",
+    ["--max-in-flight", "--max-tokens", "--max-num-seqs", "--tp", "--max-model-len", "--kv-cache-memory"],
+)
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_a_count_flag_below_one_is_refused_before_anything_loads(tmp_path, capsys, flag, value):
+    """`--max-in-flight -1` once loaded the model and then waited forever for a request to start."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "hi"}])
+    args = ["batch", "--model", str(tmp_path / "no-model-here"), "--input", str(inp)]
+    with pytest.raises(SystemExit) as exited:
+        main([*args, "--output", str(tmp_path / "out.jsonl"), flag, value])
+    assert exited.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_the_drive_loop_refuses_a_limit_below_one():
+    from moelaunch.engine.drive import drive
+
+    with pytest.raises(ValueError, match="max_in_flight=0: give 1 or more"):
+        next(drive(engine=None, max_in_flight=0))

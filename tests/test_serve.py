@@ -5,6 +5,7 @@ client that disconnects, metrics, a quiet server outliving the collective timeou
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -329,6 +330,26 @@ def test_bench_serve_measures_the_server(server, tmp_path):
         assert 0 < spread["median"] <= spread["p99"], name
     assert result["ttft_ms"]["mean"] < result["e2el_ms"]["mean"]
     assert "TTFT" in done.stdout and "request throughput" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["--set", "server.api_key="], {}, "server.api_key: given an empty key"),
+        ([], {"MOELAUNCH_API_KEY": ""}, "MOELAUNCH_API_KEY is set but empty"),
+    ],
+)
+def test_an_empty_api_key_is_refused_before_the_model_loads(args, env, says):
+    """An empty key once started a server without authentication, with one log line as the only sign."""
+    done = subprocess.run(
+        [sys.executable, "-m", "moelaunch.launcher.cli", "serve", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "serve: http" not in done.stderr
 
 
 def test_a_dead_rank_turns_the_server_unavailable(server, client):

@@ -38,6 +38,8 @@ def drive(
     engine refuses (too long, bad parameters) goes to on_refused, which reports it and lets the rest
     run; without on_refused the ValueError propagates.
     """
+    if max_in_flight is not None and max_in_flight < 1:
+        raise ValueError(f"max_in_flight={max_in_flight}: give 1 or more (no request could ever start)")
     pending = iter(requests)
     in_flight = 0
     exhausted = False

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moelaunch.engine.llm import LLM
+from moelaunch.launcher.commands import count
 from moelaunch.launcher.jobs.batch import run_batch
 from moelaunch.launcher.jobs.output_path import check_writable
 
@@ -25,24 +26,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--input", required=True, type=Path, help='JSONL: {"id", "prompt" | "messages", ...}')
     p.add_argument("--output", required=True, type=Path, help="JSONL results, appended (resumes)")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    p.add_argument("--dp", type=int, default=1, help="data parallel attention replicas")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp", type=count, default=1, help="tensor parallel size")
+    p.add_argument("--dp", type=count, default=1, help="data parallel attention replicas")
+    p.add_argument("--pp", type=count, default=1, help="pipeline stages")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument(
-        "--max-model-len", type=int, help="longest prompt + output (default: the model's, <= 8192)"
+        "--max-model-len", type=count, help="longest prompt + output (default: the model's, <= 8192)"
     )
-    p.add_argument("--kv-cache-memory", type=int, help="bytes per rank for the KV cache")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step and replica")
+    p.add_argument("--kv-cache-memory", type=count, help="bytes per rank for the KV cache")
+    p.add_argument("--max-num-seqs", type=count, default=256, help="sequences per step and replica")
     sampling = p.add_argument_group("sampling defaults (a line's own fields override them)")
-    sampling.add_argument("--max-tokens", type=int, default=256)
+    sampling.add_argument("--max-tokens", type=count, default=256)
     sampling.add_argument("--temperature", type=float, help="default 1.0; 0 is greedy")
     sampling.add_argument("--top-p", type=float, help="default 1.0")
     sampling.add_argument("--top-k", type=int, help="default -1 (no limit)")
     sampling.add_argument(
         "--seed", type=int, default=0, help="a line without a seed uses SEED + crc32(id): resumable sampling"
     )
-    p.add_argument("--max-in-flight", type=int, help="requests held by the engine at once")
+    p.add_argument("--max-in-flight", type=count, help="requests held by the engine at once")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 

@@ -170,6 +170,9 @@ class ServeJob(_Strict):
     mode: Literal["serve"]
 
 
+API_KEY_ENV = "MOELAUNCH_API_KEY"
+
+
 class ServerConfig(_Strict):
     host: str = Field(
         "127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 exposes every interface"
@@ -184,6 +187,25 @@ class ServerConfig(_Strict):
     max_queue: int = Field(256, ge=0, description="requests waiting beyond the running batches; more get 429")
     max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted (413 beyond)")
     log_interval_s: float = Field(10.0, gt=0, description="seconds between throughput / cache-use log lines")
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _no_empty_key(cls, value: Any) -> Any:
+        # `--set server.api_key=` reads as null: a server without a key must come from leaving it out.
+        if value is None or value == "":
+            raise ValueError("given an empty key; allowed: a key, or no api_key for a server without one")
+        return value
+
+    def api_key_in_effect(self) -> str | None:
+        """server.api_key, else MOELAUNCH_API_KEY; set but empty is a mistake, not "no key"."""
+        if self.api_key is not None:
+            return self.api_key
+        from_env = os.environ.get(API_KEY_ENV)
+        if from_env is not None and not from_env.strip():
+            raise ValueError(
+                f"{API_KEY_ENV} is set but empty: give it a key, or unset it for a server without one"
+            )
+        return from_env
 
 
 JobConfig = Annotated[ChatJob | BatchJob | BenchJob | ServeJob, Field(discriminator="mode")]

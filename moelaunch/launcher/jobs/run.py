@@ -165,6 +165,8 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
     if not plan.fits:
         raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
     check_job_files(cfg)
+    if cfg.job.mode == "serve":
+        cfg.server.api_key_in_effect()  # an empty MOELAUNCH_API_KEY fails here, not after the model loads
     client = backend(cfg, engine_spec(cfg))
     graceful = False  # after Ctrl-C or a failure mid-step the ranks may be inside a collective
     try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import sys
@@ -12,13 +11,12 @@ import uvicorn
 
 from moelaunch.engine.progress_log import ProgressLog
 from moelaunch.engine.stats import EngineStats
-from moelaunch.launcher.deploy.config import DeployConfig
+from moelaunch.launcher.deploy.config import API_KEY_ENV, DeployConfig
 from moelaunch.launcher.serve.app import build_app
 from moelaunch.launcher.serve.engine_loop import EngineLoop, Progress
 from moelaunch.launcher.serve.handlers import ServerState
 from moelaunch.launcher.serve.metrics import ServeMetrics
 
-API_KEY_ENV = "MOELAUNCH_API_KEY"
 STOP_TIMEOUT_S = 30.0
 
 
@@ -45,7 +43,7 @@ def run_serve(client, cfg: DeployConfig) -> int:
         model_name=s.served_model_name or Path(cfg.model).name,
         max_model_len=engine.max_model_len,
         metrics=metrics,
-        api_key=s.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=s.api_key_in_effect(),
         max_body_bytes=s.max_body_bytes,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
@@ -53,7 +51,7 @@ def run_serve(client, cfg: DeployConfig) -> int:
     sock.bind((s.host, s.port))
     host, port = sock.getsockname()[:2]
     loop.start()
-    key_note = "API key required" if state.api_key else "no API key (set server.api_key or MOELAUNCH_API_KEY)"
+    key_note = "API key required" if state.api_key else f"no API key (set server.api_key or {API_KEY_ENV})"
     print(
         f"serve: http://{host}:{port}/v1 serving {state.model_name!r}; {key_note}",
         file=sys.stderr,
