@@ -67,3 +67,23 @@ def test_layout_that_does_not_fit_fails_before_starting_anything(tmp_path, check
     done = launch(deployment(tmp_path, checkpoint, "{mode: chat}"), "--set", "parallel.tp=3")
     assert done.returncode == 1
     assert "needs dp*pp*tp" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_default_chat_keeps_going_whatever_is_typed():
+    """Bytes that are not UTF-8, a 20k-token line and a history past the 512-token context once ended the
+    default chat (a traceback, exit 1, and an empty answer then an exit). Now the line that cannot fit is
+    refused, the oldest exchanges are forgotten (and the chat says so), and every other turn is answered
+    right, in one conversation."""
+    sums = [f"What is {i}+{i + 1}?" for i in range(30)]
+    stdin = b"Reverse \xff\xfe abc\n" + ("Reverse " + "a" * 20000 + "\n").encode()
+    stdin += "".join(f"{q}\n" for q in sums).encode()
+    done = subprocess.run(
+        [sys.executable, "-m", "moelaunch.launcher.cli"], input=stdin, capture_output=True, timeout=180
+    )
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0 and "Traceback" not in err, err
+    assert "this model takes at most 256 with room for the reply: shorten it" in out
+    assert "the conversation outgrew the model's 512-token context: forgot the oldest" in out
+    lines = [line for line in out.splitlines() if not line.startswith("(the conversation outgrew")]
+    for i, question in enumerate(sums):
+        assert lines[lines.index(f">>> {question}") + 1] == str(2 * i + 1), question

@@ -30,7 +30,9 @@ class AnswerPrinter:
 
 
 def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines: Iterable[str]) -> None:
-    """One user turn per line; the reply is printed as it is generated."""
+    """One user turn per line; the reply is printed as it is generated. The conversation keeps going
+    whatever is typed: a line too long for the model is refused with a message, and when the history
+    outgrows the context its oldest exchanges are dropped (and the chat says so)."""
     messages: list[dict[str, str]] = []
     for turn, line in enumerate(lines):
         if line == "/exit":
@@ -39,7 +41,28 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
             messages.clear()
             continue
         messages.append({"role": "user", "content": line})
+        # Room for the reply: the turn's max_tokens, but never more than half the context.
+        limit = engine.max_model_len - min(params(turn).max_tokens, engine.max_model_len // 2)
         prompt_ids = tokenizer.encode_chat(messages)
+        dropped = 0
+        while len(prompt_ids) > limit and len(messages) > 1:
+            del messages[:2]  # the oldest exchange: a question and its answer
+            dropped += 1
+            prompt_ids = tokenizer.encode_chat(messages)
+        if len(prompt_ids) > limit:
+            messages.pop()
+            print(
+                f"(that line is {len(prompt_ids)} tokens as a chat turn; this model takes at most {limit} "
+                f"with room for the reply: shorten it)",
+                flush=True,
+            )
+            continue
+        if dropped:
+            print(
+                f"(the conversation outgrew the model's {engine.max_model_len}-token context: forgot the "
+                f"oldest {dropped} exchange{'s' if dropped > 1 else ''})",
+                flush=True,
+            )
         engine.add_request(f"chat-{turn}", prompt_ids, params(turn))
         reply = AnswerPrinter(tokenizer, prompt_ids)
         run_to_completion(engine, reply)
@@ -47,11 +70,18 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
         messages.append({"role": "assistant", "content": reply.split.answer})
 
 
+def lenient_stdin() -> None:
+    """Bytes that are not UTF-8 read as U+FFFD instead of ending the chat with a UnicodeDecodeError."""
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")
+
+
 def terminal_lines(
     prompt: str = ">>> ", on_idle: Callable[[], None] | None = None, idle_s: float = 30.0
 ) -> Iterable[str]:
     """Lines typed at a prompt, until end of input; on_idle runs every idle_s seconds of waiting
     (keeps the other ranks of a multi-process engine from timing out while a person thinks)."""
+    lenient_stdin()
     while True:
         print(prompt, end="", flush=True)
         while on_idle is not None and not select.select([sys.stdin], [], [], idle_s)[0]:

@@ -17,7 +17,7 @@ from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.plan import build_plan
-from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
+from moelaunch.launcher.jobs.chat import chat_loop, lenient_stdin, terminal_lines
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_llm import RayLLM
 from moelaunch.model.weight_spec import WeightSpec
@@ -66,6 +66,7 @@ def run_chat(client: LLM, cfg: DeployConfig) -> int:
         lines = terminal_lines(on_idle=client.engine.keepalive, idle_s=idle_s)
     else:
         # Piped turns, one per line; with nothing piped in, a short demo.
+        lenient_stdin()
         piped = [line.rstrip("\n") for line in sys.stdin]
         # The demo asks its questions in one conversation, as a person would.
         lines = _echoed(piped or list(DEMO_QUESTIONS))
