@@ -41,8 +41,9 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
             messages.clear()
             continue
         messages.append({"role": "user", "content": line})
+        turn_params = params(turn)
         # Room for the reply: the turn's max_tokens, but never more than half the context.
-        limit = engine.max_model_len - min(params(turn).max_tokens, engine.max_model_len // 2)
+        limit = engine.max_model_len - min(turn_params.max_tokens, engine.max_model_len // 2)
         prompt_ids = tokenizer.encode_chat(messages)
         dropped = 0
         while len(prompt_ids) > limit and len(messages) > 1:
@@ -63,7 +64,7 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
                 f"oldest {dropped} exchange{'s' if dropped > 1 else ''})",
                 flush=True,
             )
-        engine.add_request(f"chat-{turn}", prompt_ids, params(turn))
+        engine.add_request(f"chat-{turn}", prompt_ids, turn_params)
         reply = AnswerPrinter(tokenizer, prompt_ids)
         run_to_completion(engine, reply)
         print(flush=True)

@@ -89,8 +89,8 @@ async def chat_completions(state: ServerState, http: HTTPRequest) -> Any:
         prompt_ids = state.tokenizer.encode_chat(messages)
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-    call = _call(state, responses.CHAT, "chatcmpl", req, [(prompt_ids, None)])
-    call.reasoning_opened = prompt_opens_reasoning(state.tokenizer, prompt_ids)
+    opened = prompt_opens_reasoning(state.tokenizer, prompt_ids)
+    call = _call(state, responses.CHAT, "chatcmpl", req, [(prompt_ids, None)], opened)
     return await _respond(state, http, call, req.stream, req.include_usage, req.stop)
 
 
@@ -148,7 +148,12 @@ def _check_model(state: ServerState, name: str) -> None:
 
 
 def _call(
-    state: ServerState, kind: str, prefix: str, req: Any, prompts: list[tuple[list[int], str | None]]
+    state: ServerState,
+    kind: str,
+    prefix: str,
+    req: Any,
+    prompts: list[tuple[list[int], str | None]],
+    reasoning_opened: bool = False,
 ) -> _Call:
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     requests = []
@@ -159,7 +164,7 @@ def _call(
         except ValueError as e:
             raise APIError(400, str(e)) from None
         requests.append(Request(f"{response_id}-{i}", prompt_ids, params, text))
-    return _Call(kind, response_id, requests, req.n, req.logprobs_count)
+    return _Call(kind, response_id, requests, req.n, req.logprobs_count, reasoning_opened)
 
 
 def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
