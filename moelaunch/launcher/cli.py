@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "convert": "moelaunch.launcher.commands.convert",
     "distill": "moelaunch.launcher.commands.distill",
     "eval": "moelaunch.launcher.commands.eval",
+    "k8s": "moelaunch.launcher.commands.k8s",
     "plan": "moelaunch.launcher.commands.plan",
     "prune": "moelaunch.launcher.commands.prune",
     "report": "moelaunch.launcher.commands.report",

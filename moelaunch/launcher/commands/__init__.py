@@ -1,5 +1,5 @@
-"""The `launch` subcommands, one module each: batch, bench, convert, distill, eval, plan, prune, serve,
-slurm."""
+"""The `launch` subcommands, one module each: batch, bench, convert, distill, eval, k8s, plan, prune,
+serve, slurm."""
 
 from __future__ import annotations
 
