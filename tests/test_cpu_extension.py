@@ -84,30 +84,42 @@ def test_a_build_in_progress_is_waited_for(fake_build, capsys, monkeypatch):
     assert err.count("waiting for another process building") == 1 and "interrupted" not in err
 
 
-def test_two_checkouts_share_one_build(tmp_path):
-    """A second checkout of the same sources (a CI clone beside a working tree) loads the build the first
-    made, instead of rebuilding it: torch's build files name the sources, so they are built from a copy."""
+def test_two_checkouts_in_two_venvs_share_one_build(tmp_path):
+    """A second checkout of the same sources (a CI clone beside a working tree), run from a second venv
+    over the same torch (a tox env beside a project venv), loads the build the first made; going back to
+    the first checkout and venv loads it again. Nothing rebuilds in turn: torch's build files name the
+    sources and the venv's include paths, so the sources are built from a copy and the name carries the
+    include paths' digest."""
     import shutil
 
     import moelaunch
 
     ours = cpu_extension.module()
     assert ours is not None, "the CPU kernels must build on the test machines"
-    shutil.copytree(Path(moelaunch.__file__).parent, tmp_path / "moelaunch")
     built_at = os.stat(ours.__file__).st_mtime_ns
-    other = subprocess.run(
-        [sys.executable, "-c", LOAD_AND_PRINT],
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(moelaunch.__file__).parent, checkout / "moelaunch")
+    venv = tmp_path / "venv"
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120
     )
-    assert other.returncode == 0, other.stderr
-    source, built = other.stdout.split()
-    assert source.startswith(str(tmp_path)) and built == ours.__file__
-    assert "building the CPU kernels" not in other.stderr
-    assert os.stat(ours.__file__).st_mtime_ns == built_at, "the second checkout rebuilt the extension"
+    first_checkout = Path(moelaunch.__file__).parents[1]
+    turns = [(venv / "bin/python", str(venv), checkout), (sys.executable, sys.prefix, first_checkout)]
+    for python, prefix_expected, source_root in turns:
+        run = subprocess.run(
+            [str(python), "-c", LOAD_AND_PRINT],
+            env={**os.environ, "PYTHONPATH": str(source_root)},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 0, run.stderr
+        prefix, source, built = run.stdout.split()
+        assert source.startswith(str(source_root)) and built == ours.__file__
+        assert prefix == prefix_expected  # the run was in that venv
+        assert "building the CPU kernels" not in run.stderr
+    assert os.stat(ours.__file__).st_mtime_ns == built_at, "a checkout or venv rebuilt the extension"
 
 
 def test_another_torch_gets_its_own_build(fake_build, monkeypatch):
@@ -125,8 +137,9 @@ def test_another_torch_gets_its_own_build(fake_build, monkeypatch):
 
 
 LOAD_AND_PRINT = """
+import sys
 from moelaunch.kernels import cpu_extension
-print(cpu_extension.__file__, cpu_extension.module().__file__)
+print(sys.prefix, cpu_extension.__file__, cpu_extension.module().__file__)
 """
 
 HOLD_GUARD = """
