@@ -59,3 +59,18 @@ def test_an_xfail_fails_a_ci_run_as_a_skip_does(tmp_path):
         timeout=120,
     )
     assert outside_ci.returncode == 0 and "1 xfailed" in outside_ci.stdout, outside_ci.stdout
+
+
+def test_outside_ci_every_skip_says_why_without_asking(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    shutil.copy(Path(__file__).with_name("conftest.py"), tests / "conftest.py")
+    (tests / "test_ray_like.py").write_text(
+        SKIPPING.format(reason="Ray tests run inside a network namespace")
+    )
+    (tests / "test_xfails.py").write_text(XFAILING)
+    done = run_ci_pytest(tmp_path, ci=False)  # -q, no -ra: pytest alone would print "1 skipped" only
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert "not run, and why" in done.stdout
+    assert "1 test(s): Ray tests run inside a network namespace" in done.stdout
+    assert "1 test(s): not working yet" in done.stdout
