@@ -445,3 +445,49 @@ def test_a_stopped_node_ends_the_job_naming_it_and_a_rerun_resumes(
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{len(partial)} already in" in done.stdout
     assert results(out) == expected
+
+
+@pytest.mark.slow
+def test_a_cut_link_ends_the_job_naming_the_unreachable_rank_and_a_rerun_resumes(
+    tmp_path, checkpoint, two_network_namespaces
+):
+    """The second host's link goes down (its veth set down in its namespace): nothing dies on its own, the
+    peers just stop hearing from it. The job must end within the collective timeout, naming a rank on
+    that host, and a rerun after the link is back completes the batch."""
+    hosts = two_network_namespaces
+    expected = trickle_expected(checkpoint)
+    collective_s = 30
+    env = {"GLOO_SOCKET_IFNAME": "eth1", "OMP_NUM_THREADS": "1"}
+    timeouts = {"startup_s": 90, "collective_s": collective_s}
+    config = trickle_deployment(
+        tmp_path, checkpoint, hosts.address, cluster__env=env, cluster__timeouts=timeouts
+    )
+    out = tmp_path / "results.jsonl"
+    job = start_until_results(config, out, netns=hosts.netns[0])
+    table = rank_table(job.stderr)
+    link = ["ip", "-n", hosts.netns[1], "link", "set", "eth1"]
+    cut_at = time.monotonic()
+    subprocess.run([*link, "down"], check=True)
+    try:
+        rc = job.wait(timeout_s=collective_s + 60)
+        noticed_s = time.monotonic() - cut_at
+    finally:
+        subprocess.run([*link, "up"], check=True)
+    stderr = job.stderr
+    assert rc != 0
+    # the call timeout (collective_s), PING_S to find the silent node, then the shutdown
+    assert noticed_s < collective_s + 15, f"the cut link was noticed after {noticed_s:.0f} s"
+    cut_off = [r for r, (ip, _) in table.items() if ip == f"{SUBNET}.2"]
+    named = re.search(r"launch: error: (.*) stopped answering: the node did not run", stderr)
+    assert named, stderr[-3000:]
+    assert set(map(int, re.findall(rf"rank (\d+) on node {SUBNET}.2", named[1]))) == set(cut_off)
+    assert "Traceback" not in stderr, stderr[-3000:]
+    partial = results(out)
+    assert 2 <= len(partial) < len(TRICKLE)
+
+    hosts.nodes[1].stop()  # the raylet that lost its head meanwhile (if it has not exited yet)
+    hosts.restart_second_node()
+    done = launch(config, "--set", "engine.max_num_seqs=8", netns=hosts.netns[0])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{len(partial)} already in" in done.stdout
+    assert results(out) == expected

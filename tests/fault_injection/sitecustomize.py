@@ -6,7 +6,8 @@ MOELAUNCH_TEST_FAULT="POINT:RANK[:N]" makes rank RANK (its RANK variable) fail a
   prefill  SIGKILL itself at the start of its first step that holds a prompt chunk
   decode   SIGKILL itself at the start of its (N+1)-th step of single-token chunks
   slow     sleep N seconds at the start of its first step (a rank slower than the collective timeout)
-Processes of other ranks, and the launcher itself, are left alone.
+Processes of other ranks, and the launcher itself, are left alone. With MOELAUNCH_TEST_FAULT_STAMP set,
+the faulty rank writes the time (time.time()) it acts into that file, so a test can time the detection.
 """
 
 from __future__ import annotations
@@ -14,6 +15,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+
+def _stamp() -> None:
+    path = os.environ.get("MOELAUNCH_TEST_FAULT_STAMP")
+    if path:
+        with open(path, "w") as f:
+            f.write(repr(time.time()))
 
 
 def _install(point: str, rank: str, n: float) -> None:
@@ -25,6 +33,7 @@ def _install(point: str, rank: str, n: float) -> None:
         read = CheckpointReader.read
 
         def read_then_die(self, *args, **kwargs):
+            _stamp()
             os.kill(os.getpid(), signal.SIGKILL)
             return read(self, *args, **kwargs)
 
@@ -39,12 +48,15 @@ def _install(point: str, rank: str, n: float) -> None:
     def faulty_step(self, plan):
         prefill = any(c.length > 1 for c in plan)
         if point == "prefill" and prefill:
+            _stamp()
             os.kill(os.getpid(), signal.SIGKILL)
         if point == "decode" and plan and not prefill:
             decode_steps.append(1)
             if len(decode_steps) > n:
+                _stamp()
                 os.kill(os.getpid(), signal.SIGKILL)
         if point == "slow" and plan:
+            _stamp()
             time.sleep(n)
             ModelRunner.step = step
         return step(self, plan)

@@ -27,12 +27,20 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from moelaunch.cluster.errors import ClusterError
 from moelaunch.cluster.ray.actors import RankActor
-from moelaunch.cluster.ray.checks import capacity, capacity_report, check_nodes, probe_nodes
+from moelaunch.cluster.ray.checks import (
+    NodeFacts,
+    capacity,
+    capacity_report,
+    check_nodes,
+    probe_nodes,
+    silent_nodes,
+)
 from moelaunch.cluster.rendezvous import RankEnv
 
 RESOURCES = {"cuda": "GPU", "cpu": "CPU"}
 # After a rank fails, how long to wait for Ray to report a dead process that caused it.
 BLAME_WINDOW_S = 5.0
+PING_S = 5.0  # how long a node may take to run a trivial task before it counts as cut off
 
 
 @dataclass(frozen=True)
@@ -64,10 +72,14 @@ class RankInfo:
 class RayGroup:
     """Start with `RayGroup.start`; `call` rank 0; `close` when done (idempotent; a failure closes)."""
 
-    def __init__(self, spec: GroupSpec, pg: PlacementGroup, actors: list[Any], ips: list[str]) -> None:
+    def __init__(
+        self, spec: GroupSpec, pg: PlacementGroup, actors: list[Any], facts: list[NodeFacts]
+    ) -> None:
         self.spec = spec
         self._pg = pg
         self._actors = actors
+        self._node_ids = [facts[r // spec.slots_per_node].node_id for r in range(spec.world)]  # by rank
+        ips = [facts[r // spec.slots_per_node].ip for r in range(spec.world)]
         self.ranks = [RankInfo(r, r % spec.slots_per_node, ips[r], 0) for r in range(spec.world)]
         self._loops: dict[Any, int] = {}  # ranks > 0: their run() ref -> rank
         self._closed = False
@@ -87,7 +99,7 @@ class RayGroup:
         except BaseException:
             remove_placement_group(pg)
             raise
-        group = cls(spec, pg, actors, [facts[r // spec.slots_per_node].ip for r in range(spec.world)])
+        group = cls(spec, pg, actors, facts)
         try:
             group._boot(entry, payload, loop_method, deadline)
         except BaseException:
@@ -138,7 +150,10 @@ class RayGroup:
         watched = {ref: 0, **self._loops}
         ready, _ = ray.wait(list(watched), num_returns=1, timeout=self.spec.call_timeout_s)
         if not ready:
-            self._fail(f"rank 0 did not finish {name} within {self.spec.call_timeout_s:g} s")
+            self._fail(
+                self._cut_off_report()
+                or f"rank 0 did not finish {name} within {self.spec.call_timeout_s:g} s"
+            )
         if ready[0] == ref:
             try:
                 return ray.get(ref)
@@ -167,6 +182,21 @@ class RayGroup:
         self._fail(
             f"{self.ranks[rank].label()} stopped: {reason}. The deployment was shut down; rerun once the "
             "node is healthy"
+        )
+
+    def _cut_off_report(self) -> str | None:
+        """After a timeout: the ranks on nodes that no longer run anything (a cut link, a frozen node),
+        which the peers can only wait for."""
+        silent = set(silent_nodes(self._node_ids, PING_S))
+        cut_off = [
+            info.label() for info, node in zip(self.ranks, self._node_ids, strict=True) if node in silent
+        ]
+        if not cut_off:
+            return None
+        return (
+            f"{', '.join(cut_off)} stopped answering: the node did not run a trivial task within "
+            f"{PING_S:g} s after rank 0 waited {self.spec.call_timeout_s:g} s (its network link or the node "
+            "is down). The deployment was shut down; rerun once the node is reachable"
         )
 
     def close(self, stop: str | None = None, grace_s: float = 10.0) -> None:

@@ -64,6 +64,18 @@ def probe_nodes(node_ids: list[str], timeout_s: float) -> list[NodeFacts]:
     return facts
 
 
+def silent_nodes(node_ids: list[str], timeout_s: float) -> list[str]:
+    """The nodes that do not run a trivial task within timeout_s: cut off (link down) or gone. Asked when
+    a call times out, since a node that cannot be reached kills nothing Ray would report for a while."""
+    ping = ray.remote(num_cpus=0)(lambda: None)
+    refs = {
+        ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(): node
+        for node in dict.fromkeys(node_ids)
+    }
+    answered, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    return [node for ref, node in refs.items() if ref not in answered]
+
+
 def check_nodes(facts: list[NodeFacts]) -> None:
     """Distinct IPs (ranks reach each other by node IP: MASTER_ADDR, gloo/NCCL) and one set of versions."""
     by_ip: dict[str, list[str]] = defaultdict(list)
