@@ -26,8 +26,13 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
     mesh = ParallelMesh.build(shape, timeout_s=120, ranks=list(range(shape.world)))
     if mesh is None:
         return
-    config = EngineConfig(kv_cache_memory=2_000_000, block_size=4)
-    engine = LLMEngine(WeightSpec(ckpt, expert_placement=plan.get("placement")), mesh, config)
+    config = EngineConfig.model_validate(
+        {"kv_cache_memory": 2_000_000, "block_size": 4, **plan.get("engine", {})}, strict=False
+    )
+    weights = WeightSpec(
+        ckpt, quantization=plan.get("quantization", "none"), expert_placement=plan.get("placement")
+    )
+    engine = LLMEngine(weights, mesh, config)
     read = [None] * mesh.world.size
     dist.all_gather_object(read, engine.model.checkpoint_bytes_read, group=mesh.world.pg)
     if mesh.rank != 0:

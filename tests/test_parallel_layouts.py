@@ -1,5 +1,7 @@
 """Every parallel layout gives the tokens and logits of one process: real torchrun processes on
-gloo, all layouts of the matrix in one launch of 4 ranks to pay process start-up once."""
+gloo, all layouts of the matrix in one launch of 4 ranks to pay process start-up once. The inference
+options that change the numbers (integer weights, the FP8 cache, window and top-k attention) do so
+identically on tp=2, dp=2 and pp=2: each against one process with the same options."""
 
 from __future__ import annotations
 
@@ -23,6 +25,24 @@ REQUESTS = [
     dict(id=1, prompt=[3] * 11, max_new_tokens=18),
     dict(id=2, prompt=[9, 10], max_new_tokens=16, temperature=0.8, seed=3),
 ]
+# The options that change the numbers, three per run to keep the launch short: weights quantized at load
+# ("quantization") and engine options ("engine"). Each is on dp2 and pp2; on tp2 all but W8A8 and INT4,
+# whose scales come from each rank's slice of a row-parallel input (W8A8's per-token activation scales;
+# INT4's groups, when a slice cuts one: these tiny projections are narrower than a group), so under TP
+# they are not one process's numbers.
+VARIANTS = {
+    "int8+kv-fp8": {"quantization": "int8", "engine": {"kv_cache_dtype": "fp8"}},
+    "w8a8+window": {"quantization": "w8a8", "engine": {"attention": {"window": 6}}},
+    "int4+topk": {"quantization": "int4", "engine": {"attention": {"topk_blocks": 2}}},
+    "window": {"engine": {"attention": {"window": 6}}},
+    "topk": {"engine": {"attention": {"topk_blocks": 2}}},
+}
+VARIANTS_ON = {
+    "tp2": ([2, 1, 1], ["int8+kv-fp8", "window", "topk"]),
+    "dp2": ([1, 2, 1], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
+    "pp2": ([1, 1, 2], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
+}
+BLOCK_SIZE = 4  # small blocks, so window and top-k drop whole blocks within these short sequences
 # name: (tp, dp, pp) and the requests; "placement" gives experts a non-contiguous home and copies.
 PLAN = {
     "tp2": {"shape": [2, 1, 1], "requests": REQUESTS},
@@ -37,6 +57,11 @@ PLAN = {
         "requests": REQUESTS,
         "placement": [[1], [0, 1], [0], [1, 0], [0], [1], [0], [1]],
     },
+    **{
+        f"{name}:{variant}": {"shape": shape, "requests": REQUESTS, **VARIANTS[variant]}
+        for name, (shape, variants) in VARIANTS_ON.items()
+        for variant in variants
+    },
 }
 
 
@@ -50,13 +75,19 @@ def params(r: dict) -> SamplingParams:
                           seed=r.get("seed", 0), ignore_eos=True, logprobs=20)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def single_process(checkpoint):
-    with LLM(str(checkpoint), kv_cache_memory=2_000_000) as llm:
+def one_process(checkpoint, variant: dict) -> dict:
+    options = {"quantization": variant.get("quantization", "none"), **variant.get("engine", {})}
+    with LLM(str(checkpoint), kv_cache_memory=2_000_000, block_size=BLOCK_SIZE, **options) as llm:
         outs = llm.generate([r["prompt"] for r in REQUESTS], [params(r) for r in REQUESTS])
     return {
         r["id"]: (o.outputs[0].token_ids, o.outputs[0].logprobs) for r, o in zip(REQUESTS, outs, strict=True)
     }
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoint):
+    """One process's results: for the plain layouts, and for each variant with its options."""
+    return {"": one_process(checkpoint, {}), **{v: one_process(checkpoint, o) for v, o in VARIANTS.items()}}
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +106,22 @@ def test_one_process_engine_equals_plain_generate(checkpoint, single_process):
     for r in REQUESTS:
         gen = torch.Generator().manual_seed(r.get("seed", 0))
         expected = generate(model, r["prompt"], r["max_new_tokens"], r.get("temperature", 0.0), generator=gen)
-        assert single_process[r["id"]][0] == expected
+        assert single_process[""][r["id"]][0] == expected
+
+
+def test_each_variant_changes_the_outputs(single_process):
+    """Else comparing a variant's layouts with one process would check nothing the plain layouts do not."""
+    plain = single_process[""]
+    for variant in VARIANTS:
+        assert any(single_process[variant][i][1] != plain[i][1] for i in plain), variant
 
 
 @pytest.mark.parametrize("name", sorted(PLAN))
 def test_layout_matches_one_process(name, layouts, single_process):
     got = layouts[name]["results"]
+    reference = single_process[name.partition(":")[2]]
     for r in PLAN[name]["requests"]:
-        tokens, logprobs = single_process[r["id"]]
+        tokens, logprobs = reference[r["id"]]
         got_tokens, got_logprobs = got[r["id"]]
         assert got_tokens == tokens
         for ours, theirs in zip(got_logprobs, logprobs, strict=True):  # top-20 log-probabilities per step

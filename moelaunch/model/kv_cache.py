@@ -11,6 +11,7 @@ query sees; both of its modes are approximations of the model's full attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,11 @@ class PagedLatentCache:
         device: torch.device | str = "cpu",
         fp8: bool = False,
         sparse: SparseAttention | None = None,
+        heads_max: Callable[[torch.Tensor], torch.Tensor] = lambda x: x,
     ) -> None:
-        """dtype: what values are read back as (stored as such, or dequantized from fp8 when fp8)."""
+        """dtype: what values are read back as (stored as such, or dequantized from fp8 when fp8);
+        heads_max: the maximum over every rank's heads of a per-rank maximum (identity in one process)."""
+        self.heads_max = heads_max
         layer_ids = list(range(args.num_hidden_layers)) if layer_ids is None else layer_ids
         self.slot_of_layer = {layer: i for i, layer in enumerate(layer_ids)}
         self.kv_rank = args.kv_lora_rank
@@ -174,7 +178,9 @@ class PagedLatentCache:
         scores = torch.einsum("rhc,rbc->rhb", q_latent.float(), means[..., : self.kv_rank])
         scores = scores + torch.einsum("rhp,rbp->rhb", q_pe.float(), means[..., self.kv_rank :])
         column = torch.arange(candidates.shape[1], device=candidates.device)
-        scores = scores.amax(dim=1).masked_fill(column[None, :] >= n_full[:, None], float("-inf"))
+        scores = self.heads_max(scores.amax(dim=1)).masked_fill(
+            column[None, :] >= n_full[:, None], float("-inf")
+        )
         # Real blocks outrank the -inf ones, so a row with at most K full blocks keeps them all, in front.
         chosen = scores.topk(k, dim=1).indices.sort(dim=1).values
         kept = n_full.clamp(max=k)

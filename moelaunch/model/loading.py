@@ -173,11 +173,19 @@ def _load_int_linear(
         tensors, used = _read_int(reader, base, expected, spec, quant)
     elif name in reader and is_quantizable(name, reader.shape(name)):
         _check_shape(reader, name, expected, spec)
+        # An int8 scale covers a whole row: a slice of the input dim (a row-parallel shard) is quantized
+        # from whole rows, so every rank holds one process's integers. int4's groups of 128 are local:
+        # slices that keep whole groups quantize alike either way, and those that cut one cannot.
+        whole_rows = spec is not None and spec.dim == 1 and quant.method != "int4"
+        read_spec = None if whole_rows else spec
         if reader.is_fp8(name):
-            dense, used = _read_fp8(reader, name, spec, False, torch.float32)[0], {name, name + SCALE_SUFFIX}
+            dense = _read_fp8(reader, name, read_spec, False, torch.float32)[0]
+            used = {name, name + SCALE_SUFFIX}
         else:
-            dense, used = _read(reader, name, spec), {name}
+            dense, used = _read(reader, name, read_spec), {name}
         tensors = quantize_weight(dense, quant)
+        if whole_rows:
+            tensors["weight"] = tensors["weight"][:, spec.start : spec.end].contiguous()
     else:
         return None
     module.set_quantized({key: t.to(device) for key, t in tensors.items()}, quant)

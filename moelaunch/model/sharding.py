@@ -36,6 +36,11 @@ class ModelShard(Protocol):
 
     def expert_dispatch(self, n_experts: int) -> ExpertDispatch: ...
 
+    def heads_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of `x` over the ranks that split the attention heads (x computed over
+        this rank's heads), so a choice made from the best head is the same on every rank."""
+        ...
+
 
 class WholeModel:
     """Everything, in one process."""
@@ -59,6 +64,9 @@ class WholeModel:
 
     def expert_dispatch(self, n_experts: int) -> ExpertDispatch:
         return LocalDispatch(n_experts)
+
+    def heads_max(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 WHOLE = WholeModel()

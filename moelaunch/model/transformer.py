@@ -89,6 +89,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, with_mtp: bool = True, shard: ModelShard = WHOLE) -> None:
         super().__init__()
         self.args = args
+        self.heads_max = shard.heads_max  # top-k block selection agrees over the TP ranks' heads
         self.model = DecoderStack(args, shard)
         if shard.last_stage:
             self.lm_head = shard.head(args.hidden_size, args.vocab_size)
@@ -152,7 +153,7 @@ class Transformer(nn.Module):
         device = next(iter(self.model.layers.values())).input_layernorm.weight.device
         dtype = dtype or self.compute_dtype()
         return PagedLatentCache(
-            self.args, num_blocks, block_size, self.layer_ids(), dtype, device, fp8, sparse
+            self.args, num_blocks, block_size, self.layer_ids(), dtype, device, fp8, sparse, self.heads_max
         )
 
     def new_cache(self, batch: int, max_len: int) -> PagedLatentCache:

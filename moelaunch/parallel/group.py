@@ -28,6 +28,11 @@ class Group:
             dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.pg)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.pg)
+        return x
+
     def all_gather_cat(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every member's equally shaped `x` along `dim`, in group order."""
         if self.size == 1:

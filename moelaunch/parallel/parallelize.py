@@ -5,6 +5,7 @@ loader fills it, reading only owned slices."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from moelaunch.model.config import ModelArgs, load_args
@@ -80,6 +81,9 @@ class MeshShard:
         if self.tp_size == 1:
             return WHOLE.head(dim, vocab_size)
         return VocabParallelHead(dim, vocab_size, self.mesh.tp)
+
+    def heads_max(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mesh.tp.all_reduce_max(x)
 
     def expert_dispatch(self, n_experts: int) -> ExpertDispatch:
         if self.mesh.ep.size == 1:  # every expert is here: nothing to exchange
