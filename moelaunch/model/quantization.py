@@ -33,6 +33,12 @@ def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and name.endswith("_proj.weight")
 
 
+def is_fp8_in_deepseek_checkpoints(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors DeepSeek's block-FP8 checkpoints store in FP8: the quantizable projections and the
+    MLA latent projection kv_a_proj_with_mqa (which integer quantization leaves 16-bit)."""
+    return is_quantizable(name, shape) or (len(shape) == 2 and name.endswith("kv_a_proj_with_mqa.weight"))
+
+
 def check_quantization(value: Any) -> str:
     """`value` if it names a method, else one ValueError listing them."""
     if not isinstance(value, str) or value not in QUANTIZATIONS:

@@ -24,7 +24,13 @@ from moelaunch.model.checkpoint import (
     copy_side_files,
 )
 from moelaunch.model.config import load_args
-from moelaunch.model.quantization import IntQuant, is_quantizable, quantize_weight, stored_quantization
+from moelaunch.model.quantization import (
+    IntQuant,
+    is_fp8_in_deepseek_checkpoints,
+    is_quantizable,
+    quantize_weight,
+    stored_quantization,
+)
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_QUANTIZATION_CONFIG = {
@@ -51,7 +57,8 @@ def fp8_to_bf16(src: str | Path, dst: str | Path) -> Path:
 
 
 def quantize_fp8(src: str | Path, dst: str | Path) -> Path:
-    """Make a block-FP8 checkpoint: 128x128 block scales for the projections, bf16 for the rest."""
+    """Make a block-FP8 checkpoint as DeepSeek's are: 128x128 block scales for the projections and
+    kv_a_proj_with_mqa (what `launch plan` counts as FP8), bf16 for the rest."""
 
     def shard(reader: CheckpointReader, names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
@@ -59,7 +66,7 @@ def quantize_fp8(src: str | Path, dst: str | Path) -> Path:
             tensor = reader.read(name)
             if reader.is_fp8(name):
                 raise CheckpointError(f"{reader.file_of(name)}: {name} is already FP8; nothing to quantize")
-            if is_quantizable(name, tuple(tensor.shape)):
+            if is_fp8_in_deepseek_checkpoints(name, tuple(tensor.shape)):
                 out[name], out[name + SCALE_SUFFIX] = kernels.weight_quant(tensor.float())
             elif name.endswith("e_score_correction_bias"):
                 out[name] = tensor.float()
@@ -87,8 +94,10 @@ def quantize_int(src: str | Path, dst: str | Path, quant: IntQuant) -> Path:
                 base = name.removesuffix("weight")
                 out |= {base + key: t for key, t in quantize_weight(tensor, quant).items()}
             else:
-                # FP8 tensors quantization leaves alone (kv_a_proj_with_mqa) become bf16, as fp8-to-bf16 does.
-                out[name] = tensor.bfloat16() if reader.is_fp8(name) else tensor
+                # An FP8 tensor quantization leaves alone (kv_a_proj_with_mqa) is written dequantized in
+                # fp32, which is exact (an e4m3 value times an fp32 scale): it loads as it does from the
+                # FP8 source, in whatever compute dtype.
+                out[name] = tensor
         return out
 
     return _convert(src, dst, shard, lambda cfg: {**cfg, "quantization_config": quant.config()})

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from moelaunch.model.quantization import IntQuant, is_quantizable
+from moelaunch.model.quantization import IntQuant, is_fp8_in_deepseek_checkpoints, is_quantizable
 from moelaunch.parallel.shard_tensors import ShardTensor
 
 # Parts in print order: name, pattern over a tensor name with its layer and expert ids as `*`, and how
@@ -28,10 +28,7 @@ _LAYER_PREFIX = "model.layers.*."
 
 def is_fp8(t: ShardTensor, dtype: str) -> bool:
     """Under fp8 the projections are block-FP8; embedding, lm_head, norms and gate stay 16-bit."""
-    # DeepSeek's checkpoints store kv_a_proj_with_mqa in FP8 too; `launch convert quantize-fp8` (whose
-    # rule is_quantizable is) keeps it 16-bit, so the plan counts the published checkpoints' larger case.
-    projection = is_quantizable(t.name, t.shape) or t.name.endswith("kv_a_proj_with_mqa.weight")
-    return dtype == "fp8" and projection
+    return dtype == "fp8" and is_fp8_in_deepseek_checkpoints(t.name, t.shape)
 
 
 def param_bytes(t: ShardTensor, dtype: str) -> int:
