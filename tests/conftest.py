@@ -3,17 +3,18 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch  # loads no Triton
 
-# Triton picks interpreter vs compiled when a kernel is decorated; CPU-only test machines need the former.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton picks interpreter vs compiled when a kernel is decorated: interpreted only where there is no GPU
+# (the CPU machines, CI), so on a GPU machine the CUDA tests run the compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """A tiny model runs far faster on one thread than with threads fighting other processes for a
     shared machine's cores; outputs do not depend on it."""
-    import torch  # here, not at the top: TRITON_INTERPRET must be set before anything loads Triton
-
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -76,3 +76,87 @@ def test_engine_on_cuda_gives_the_cpu_tokens(tmp_path):
     # Random tiny models have near-tied logits; TF32 attention may flip a late tie, never most tokens.
     agree = sum(a == b for e, o in zip(expected, got, strict=True) for a, b in zip(e, o, strict=True))
     assert got[0][0] == expected[0][0] and agree >= 0.9 * sum(map(len, expected))
+
+
+# --- each inference option on the GPU, compiled: the Triton kernel must show up as a CUDA kernel ------
+
+
+def run_on_gpu(fn):
+    """fn()'s result and the names of the CUDA kernels it launched: an interpreted Triton kernel runs
+    on the host and launches none under its name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, {e.name for e in prof.events() if e.device_type == DeviceType.CUDA}
+
+
+def test_the_triton_kernels_are_compiled_not_interpreted():
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") != "1", "tests/conftest.py interprets Triton only without a GPU"
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
+def test_integer_weights_run_compiled_on_the_gpu(method):
+    from moelaunch.kernels import int4_reference, int8_reference
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 256, generator=g)
+    w = torch.randn(192, 256, generator=g) * 0.05
+    if method == "int4":
+        stored = int4_reference.int4_weight_quant_ref(w)
+        expected = int4_reference.int4_linear_ref(x, *stored, 128)
+        call, kernel = (
+            (lambda: kernels.int4_linear(x.cuda(), *(t.cuda() for t in stored), 128)),
+            "_int4_linear",
+        )
+    else:
+        stored = int8_reference.int8_weight_quant_ref(w)
+        reference = int8_reference.w8a8_linear_ref if method == "w8a8" else int8_reference.int8_linear_ref
+        expected = reference(x, *stored)
+        op = kernels.w8a8_linear if method == "w8a8" else kernels.int8_linear
+        call = lambda: op(x.cuda(), *(t.cuda() for t in stored))  # noqa: E731
+        kernel = "_int8_gemm" if method == "w8a8" else "_int8_linear"
+    out, launched = run_on_gpu(call)
+    assert any(kernel in name for name in launched), launched
+    magnitude = x.abs() @ w.abs().T  # TF32 inputs (weight-only paths): 2^-10 of the terms' sum
+    assert ((out.cpu().float() - expected.float()).abs() <= TF32_UNIT * magnitude + 1e-4).all()
+
+
+@pytest.mark.parametrize("variant", ["kv-fp8", "window", "topk"])
+def test_cache_variants_decode_compiled_on_the_gpu(tmp_path, variant):
+    """The latent cache's decode on CUDA against the same cache on the CPU: an FP8 cache, a sliding window
+    and top-k blocks, each through the compiled MLA decode kernel."""
+    from moelaunch.model.config import load_args
+    from moelaunch.model.kv_cache import PagedLatentCache, SparseAttention
+
+    args = load_args(make_hf_model(tmp_path / "tiny", "v3"))
+    sparse = {"window": SparseAttention(window=9), "topk": SparseAttention(topk_blocks=2)}.get(variant)
+    g = torch.Generator().manual_seed(3)
+    block_size, n_blocks, rows, heads = 4, 24, 3, 8
+    width = args.kv_lora_rank + args.qk_rope_head_dim
+    seq_lens = torch.tensor([5, 17, 30], dtype=torch.int32)
+    table = torch.randperm(n_blocks, generator=g)[: rows * 8].view(rows, 8).to(torch.int32)
+    slots = torch.cat([table[r, : -(-n // block_size)].long().repeat_interleave(block_size) * block_size
+                       + torch.arange(-(-n // block_size) * block_size) % block_size
+                       for r, n in enumerate(seq_lens.tolist())])  # fmt: skip
+    latent = torch.randn(len(slots), width, generator=g)
+    q_latent = torch.randn(rows, heads, args.kv_lora_rank, generator=g)
+    q_pe = torch.randn(rows, heads, args.qk_rope_head_dim, generator=g)
+    tensors = (q_latent, q_pe, table, seq_lens)
+    outputs = []
+    for device in ("cpu", "cuda"):
+        cache = PagedLatentCache(
+            args, n_blocks, block_size, [0], torch.float32, device, variant == "kv-fp8", sparse
+        )
+        cache.store(0, slots.to(device), latent.to(device))
+        outputs.append(
+            run_on_gpu(lambda c=cache, d=device: c.decode(0, *(t.to(d) for t in tensors), width**-0.5))
+        )
+    (cpu_out, _), (gpu_out, launched) = outputs
+    assert any("_paged_mla_decode" in name for name in launched), launched
+    # convex combinations of cache rows; TF32 scores move the weights by ~2^-10 of |score|
+    assert (gpu_out.cpu() - cpu_out).abs().max() <= 0.05
