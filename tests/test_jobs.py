@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher import LLM, SamplingParams
@@ -67,6 +68,14 @@ def test_layout_that_does_not_fit_fails_before_starting_anything(tmp_path, check
     done = launch(deployment(tmp_path, checkpoint, "{mode: chat}"), "--set", "parallel.tp=3")
     assert done.returncode == 1
     assert "needs dp*pp*tp" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+def test_cuda_on_a_machine_without_one_fails_before_starting_anything(tmp_path, checkpoint):
+    cuda = ["--set", "cluster.device=cuda", "--set", "cluster.device_memory_gb=80"]
+    done = launch(deployment(tmp_path, checkpoint, "{mode: chat}"), *cuda)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "cluster.device: given 'cuda'" in done.stderr and "here is no CUDA GPU" in done.stderr
 
 
 def test_the_default_chat_keeps_going_whatever_is_typed():

@@ -27,8 +27,8 @@ def yaml_blocks(text: str) -> list[str]:
 
 
 def test_the_deployment_files_in_the_readme_plan_as_written(tmp_path):
-    """Each deployment file the README shows is one `launch plan` accepts; the bundled-model one is
-    planned on the bundled model as it stands, the DeepSeek-V3 one on V3's config (its weights are not here)."""
+    """Each deployment file the README shows is one `launch plan` accepts: the bundled-model one on the
+    bundled model as it stands, the DeepSeek-V3 one on V3's config (its weights are not here)."""
     from moelaunch.launcher.cli import main
 
     blocks = yaml_blocks((REPO / "README.md").read_text())

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from moelaunch.launcher.cli import main
 
@@ -51,6 +52,11 @@ def test_report_measures_each_method_and_the_baseline_matches_eval(tmp_path, cap
         (["--model", "/nowhere"], "/nowhere"),
         (["--batch", "0"], "--batch 0: must be at least 1"),
         (["--out", "/proc/version"], "--out /proc/version"),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device cuda: no CUDA GPU is visible here",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU"),
+        ),
     ],
 )
 def test_bad_report_arguments_fail_before_any_method_runs(tmp_path, capsys, args, says):

@@ -58,6 +58,8 @@ def _check(args: argparse.Namespace) -> Workload:
         raise ValueError(f"--n-problems {args.n_problems}: must be in 1..{HELD_OUT_SIZE}")
     if vocab < 3:
         raise ValueError(f"{args.model}: a vocabulary of {vocab} leaves no tokens for the probe prompts")
+    if args.device == "cuda" and not _has_cuda():
+        raise ValueError("--device cuda: no CUDA GPU is visible here; leave --device out or use --device cpu")
     try:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

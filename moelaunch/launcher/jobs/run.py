@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
+
 from moelaunch.engine.build import EngineSpec
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
@@ -163,6 +165,10 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
     if mode is None:
         raise cfg.error("job.mode", cfg.job.mode, f"one of {', '.join(MODES)} in this version")
     plan = build_plan(cfg)  # a layout that cannot work fails here, before any process starts
+    if cfg.cluster.backend == "local" and plan.device == "cuda" and not torch.cuda.is_available():
+        raise cfg.error(
+            "cluster.device", "cuda", "cpu or auto: the local backend runs here, and here is no CUDA GPU"
+        )
     if not plan.fits:
         raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
     check_job_files(cfg)
