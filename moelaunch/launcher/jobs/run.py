@@ -6,8 +6,11 @@ only use that, so a new backend or a new mode is one entry in a table.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -115,10 +118,13 @@ def run_bench_job(client: LLM, cfg: DeployConfig) -> int:
     return 0
 
 
-def run_serve_job(client: LLM, cfg: DeployConfig) -> int:
+def run_serve_job(client: LLM, cfg: DeployConfig, sock: socket.socket | None = None) -> int:
+    """sock: the listening socket run_deployment bound before the model loaded (bound here if None)."""
+    from moelaunch.launcher.serve.listen import bind_server_socket
     from moelaunch.launcher.serve.run import run_serve
 
-    return run_serve(client, cfg)
+    with sock or bind_server_socket(cfg.server) as listening:
+        return run_serve(client, cfg, listening)
 
 
 MODES: dict[str, Callable[[LLM, DeployConfig], int]] = {
@@ -172,13 +178,20 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
     if not plan.fits:
         raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
     check_job_files(cfg)
-    if cfg.job.mode == "serve":
-        cfg.server.api_key_in_effect()  # an empty MOELAUNCH_API_KEY fails here, not after the model loads
-    client = backend(cfg, engine_spec(cfg))
-    graceful = False  # after Ctrl-C or a failure mid-step the ranks may be inside a collective
-    try:
-        code = mode(client, cfg)
-        graceful = code == 0
-        return code
-    finally:
-        client.shutdown(graceful)
+    with contextlib.ExitStack() as resources:
+        if cfg.job.mode == "serve":
+            from moelaunch.launcher.serve.listen import bind_server_socket
+
+            cfg.server.api_key_in_effect()  # an empty MOELAUNCH_API_KEY fails here, not after the model loads
+            # A port in use or a host this machine lacks too: the socket is bound before the model loads.
+            mode = functools.partial(
+                run_serve_job, sock=resources.enter_context(bind_server_socket(cfg.server))
+            )
+        client = backend(cfg, engine_spec(cfg))
+        graceful = False  # after Ctrl-C or a failure mid-step the ranks may be inside a collective
+        try:
+            code = mode(client, cfg)
+            graceful = code == 0
+            return code
+        finally:
+            client.shutdown(graceful)

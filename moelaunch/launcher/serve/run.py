@@ -20,8 +20,9 @@ from moelaunch.launcher.serve.metrics import ServeMetrics
 STOP_TIMEOUT_S = 30.0
 
 
-def run_serve(client, cfg: DeployConfig) -> int:
-    """Serve `client` (an LLM or the Ray client) as cfg.server describes."""
+def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
+    """Serve `client` (an LLM or the Ray client) as cfg.server describes, on `sock` (bound before the
+    model loaded: serve/listen.py)."""
     s = cfg.server
     metrics = ServeMetrics()
     log = ProgressLog("serve", s.log_interval_s)
@@ -46,9 +47,6 @@ def run_serve(client, cfg: DeployConfig) -> int:
         api_key=s.api_key_in_effect(),
         max_body_bytes=s.max_body_bytes,
     )
-    sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((s.host, s.port))
     host, port = sock.getsockname()[:2]
     loop.start()
     key_note = "API key required" if state.api_key else f"no API key (set server.api_key or {API_KEY_ENV})"
