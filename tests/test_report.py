@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moelaunch.launcher.cli import main
+from moelaunch.measure.report.methods import METHODS
 
 pytestmark = pytest.mark.slow
 
@@ -18,14 +19,13 @@ SMALL = ["--n-problems", "12", "--input-len", "24", "--output-len", "8", "--batc
 REQUIRED = {"method", "latency_s", "throughput_tok_s", "peak_memory_bytes", "accuracy", "mean_abs_logit_diff"}
 
 
-def test_report_measures_each_method_and_the_baseline_matches_eval(tmp_path, capsys):
+def test_report_measures_every_method_and_the_baseline_matches_eval(tmp_path, capsys):
+    """The whole report as a user runs it (every method, on the bundled model), with small workloads."""
     out = tmp_path / "report"
-    assert main(["report", "--methods", "int8", "kv-fp8", "--out", str(out), *SMALL]) == 0
+    assert main(["report", "--out", str(out), *SMALL]) == 0
     table = capsys.readouterr().out
     entries = {e["method"]: e for e in json.loads((out / "report.json").read_text())}
-    assert list(entries) == ["baseline", "int8", "kv-fp8"] and all(
-        REQUIRED <= e.keys() for e in entries.values()
-    )
+    assert list(entries) == list(METHODS) and all(REQUIRED <= e.keys() for e in entries.values())
     assert all(re.search(rf"^{re.escape(name)}\s", table, re.MULTILINE) for name in entries)
 
     assert main(["eval", "--n", "12"]) == 0

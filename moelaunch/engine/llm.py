@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import jinja2
 import torch.distributed as dist
 from pydantic import ValidationError
 from tqdm import tqdm
@@ -99,6 +101,7 @@ class LLM:
         self.engine = WorkerWatch(engine, self._workers, spec.timeout_s) if self._workers else engine
         self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
+        self._shut_down = False
 
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
         is_chat = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
@@ -118,7 +121,10 @@ class LLM:
         for m in prompt:
             if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"a chat message needs a string role and content: {m!r}")
-        return self.tokenizer.encode_chat(prompt), None
+        try:
+            return self.tokenizer.encode_chat(prompt), None
+        except jinja2.TemplateError as e:  # e.g. a role the checkpoint's template does not know
+            raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
 
     def generate(
         self,
@@ -127,6 +133,12 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion (continuous batching); outputs in prompt order."""
+        if self._shut_down:
+            raise ValueError(
+                "this LLM was shut down (shutdown() or its `with` block ended): create a new one"
+            )
+        if prompts == "":
+            raise ValueError("the prompt is empty: give some text, token ids or chat messages")
         if not isinstance(prompts, (str, list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a prompt or a non-empty list of prompts, not {prompts!r}")
         if isinstance(prompts, str) or isinstance(prompts[0], (int, dict)):
@@ -165,12 +177,17 @@ class LLM:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the worker ranks: told to stop (graceful), or terminated, as after Ctrl-C, when the
-        ranks may be inside a collective that rank 0 left."""
-        if self._workers:
-            if graceful:
-                self.engine.shutdown()
-            stop_workers(self._workers, terminate=not graceful)
-            self._workers = []
+        ranks may be inside a collective that rank 0 left. Calling it again does nothing."""
+        self._shut_down = True
+        workers, self._workers = self._workers, []
+        if workers:
+            try:
+                if graceful:
+                    self.engine.shutdown()
+            except Exception as e:  # noqa: BLE001 - a dead rank was reported by the call that met it
+                print(f"moelaunch: ranks terminated at shutdown ({e})", file=sys.stderr)
+                graceful = False
+            stop_workers(workers, terminate=not graceful)
         if dist.is_initialized():
             dist.destroy_process_group()
 
