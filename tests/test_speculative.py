@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
-from moelaunch.engine.sampler import sample_sequence
+from moelaunch.engine.sampler import sample_batch
 from moelaunch.engine.sequence import Sequence
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import load_model
@@ -57,7 +57,7 @@ def test_draft_verification_keeps_the_sampling_distribution():
     draws, trials = Counter(), 6000
     for i in range(trials):
         seq = Sequence(i, "r", 0, [1], params, torch.Generator().manual_seed(i))
-        draws[sample_sequence(logits, seq, [3], eos_id=None)[0].token] += 1
+        draws[sample_batch(logits, [(seq, [3])], eos_id=None)[0][0].token] += 1
     target = logits[0].softmax(-1)
     for token in range(5):
         assert abs(draws[token] / trials - target[token].item()) < 0.02

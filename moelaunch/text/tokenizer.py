@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 Message = dict[str, Any]
 
@@ -44,6 +45,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def grammar_vocabulary(self) -> tuple[list[str], bool]:
+        """Every id's token string as the model's vocabulary spells it, with added tokens (specials,
+        think markers) as "" so a grammar never emits them; and whether the spelling is byte-level
+        (GPT-2's printable stand-ins for bytes, as DeepSeek-V3's tokenizer has)."""
+        added = self._tok.get_added_tokens_decoder()
+        vocab = ["" if i in added else (self._tok.id_to_token(i) or "") for i in range(self.vocab_size)]
+        return vocab, isinstance(self._tok.decoder, decoders.ByteLevel)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognized, none is added."""
