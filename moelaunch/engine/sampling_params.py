@@ -81,10 +81,10 @@ def _logit_bias(value: Any) -> Any:
 def _json_text(value: Any) -> Any:
     # A schema given as an object or as JSON text is kept as canonical text (the params stay hashable).
     if isinstance(value, (dict, bool)):
-        return json.dumps(value, sort_keys=True)
+        return json.dumps(value)
     if isinstance(value, str):
         try:
-            return json.dumps(json.loads(value), sort_keys=True)
+            return json.dumps(json.loads(value))
         except json.JSONDecodeError as e:
             raise ValueError(f"is not valid JSON: {e}") from None
     return value

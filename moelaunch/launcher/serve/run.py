@@ -45,6 +45,7 @@ def run_serve(client, cfg: DeployConfig) -> int:
         metrics=metrics,
         api_key=s.api_key_in_effect(),
         max_body_bytes=s.max_body_bytes,
+        strict=s.strict,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
