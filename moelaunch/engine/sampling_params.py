@@ -127,8 +127,8 @@ class StructuredOutputs(BaseModel):
 
 
 def _top_k(value: int) -> int:
-    if value != -1 and value < 1:
-        raise ValueError("must be -1 (no limit) or a count >= 1")
+    if value < -1:
+        raise ValueError("must be -1 or 0 (no limit) or a count >= 1")
     return value
 
 
@@ -140,7 +140,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False, description="randomness; 0 means greedy")
     top_p: float = Field(1.0, gt=0, le=1, description="sample from the smallest set of tokens this likely")
     top_k: Annotated[int, AfterValidator(_top_k)] = Field(
-        -1, description="sample from the k likeliest tokens; -1: no limit"
+        -1, description="sample from the k likeliest tokens; -1 or 0: no limit"
     )
     max_tokens: int = Field(16, ge=1, description="most tokens to generate")
     min_tokens: int = Field(0, ge=0, description="tokens before a stop token or EOS may end the output")

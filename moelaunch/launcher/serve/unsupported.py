@@ -14,12 +14,14 @@ from typing import Any
 NO_OPS = (
     "store", "metadata", "user", "service_tier", "reasoning_effort", "verbosity", "prediction",
     "prompt_cache_key", "safety_identifier", "guided_decoding_backend", "guided_whitespace_pattern",
-    "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs",
+    "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "prompt_cache_options",
+    "prompt_cache_retention",
 )  # fmt: skip
 
 # field: (the value that is fine, why another one is refused)
 REFUSED_UNLESS = {
     "audio": (None, "this server has no audio output; leave audio out"),
+    "moderation": (None, "this server runs no moderation model; leave moderation out"),
     "web_search_options": (None, "this server cannot search the web; leave web_search_options out"),
     "echo": (False, "the prompt is not repeated in the output; leave echo out"),
     "suffix": (None, "the model has no fill-in-the-middle mode; leave suffix out"),
