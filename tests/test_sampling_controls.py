@@ -14,6 +14,8 @@ import torch
 from moelaunch.engine.sampler import Sampler, sample_batch
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.sequence import Sequence
+from moelaunch.launcher.deploy.config import load_deploy_config
+from moelaunch.launcher.jobs.batch import parse_line
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT
 from moelaunch.model.sampling import controlled_logits, filtered_logits
 from moelaunch.text.tokenizer import Tokenizer
@@ -205,3 +207,19 @@ def test_random_batches_match_the_reference():
         for s, row, t in zip(seqs, rows, tokens, strict=True):
             ref = reference_logits(row.tolist(), s.prompt, s.output, s.params)
             assert t[0].token == max(range(VOCAB), key=ref.__getitem__)
+
+
+def test_batch_lines_and_job_sections_take_the_new_fields(tmp_path):
+    line = {"id": 1, "prompt": "x", "presence_penalty": 1.0, "logit_bias": {"7": 5}, "min_p": 0.1,
+            "structured_outputs": {"choice": ["a", "b"]}}  # fmt: skip
+    params = parse_line(1, json.dumps(line), {}, 0).params
+    assert params.logit_bias == ((7, 5.0),) and params.structured_outputs.choice == ("a", "b")
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        f"model: {DEFAULT_CHECKPOINT}\n"
+        "job: {mode: chat, repetition_penalty: 1.3, bad_words: [zz], logit_bias: {5: -100},"
+        " structured_outputs: {regex: '[ab]+'}}\n"
+    )
+    job = SamplingParams(**load_deploy_config(deploy).job.sampling())
+    assert job.repetition_penalty == 1.3 and job.logit_bias == ((5, -100.0),)
+    assert job.structured_outputs.regex == "[ab]+" and job.bad_words == ("zz",)

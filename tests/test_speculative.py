@@ -63,6 +63,21 @@ def test_draft_verification_keeps_the_sampling_distribution():
         assert abs(draws[token] / trials - target[token].item()) < 0.02
 
 
+def test_a_grammar_sequence_keeps_its_grammar_beside_drafting_ones(checkpoint):
+    # Byte-level vocabulary; a grammar's sequence ignores its draft, the others in the batch verify theirs.
+    choices = ("alpha", "beta", "gamma")
+    constrained = SamplingParams(
+        temperature=0.8, max_tokens=12, seed=1, structured_outputs={"choice": choices}
+    )
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp") as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        both = llm.generate(PROMPTS * 2, [GREEDY] * len(PROMPTS) + [constrained] * len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in both[: len(PROMPTS)]] == plain
+    assert all(
+        o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop" for o in both[len(PROMPTS) :]
+    )
+
+
 def test_mtp_needs_mtp_weights(tmp_path):
     path = add_byte_tokenizer(make_hf_model(tmp_path, "v3"))
     with pytest.raises(ValueError, match="has no MTP weights"):

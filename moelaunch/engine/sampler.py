@@ -59,9 +59,9 @@ class Sampler:
         return self._worker.submit(self.prepare, batch, device)
 
     def prepare(self, batch: Batch, device: torch.device) -> Prepared:
-        rows = [(seq, j, seq.output + draft[:j]) for seq, draft in batch for j in range(len(draft) + 1)]
-        if not any(self._controlled(seq, j, history) for seq, j, history in rows):
+        if not any(self._controlled(seq) for seq, _ in batch):  # checked without copying any history
             return Prepared(batch, None)
+        rows = [(seq, j, seq.output + draft[:j]) for seq, draft in batch for j in range(len(draft) + 1)]
         vocab, p = self.vocab_size, [seq.params for seq, _, _ in rows]
         banned, grammar_rows = [], []
         for i, (seq, j, history) in enumerate(rows):
@@ -81,15 +81,20 @@ class Sampler:
         def floats(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
-        repeats = [q.repetition_penalty != 1 for q in p]
+        # Token lists only for the rows whose penalties read them.
+        generated = [
+            h if q.presence_penalty or q.frequency_penalty else []
+            for (_, _, h), q in zip(rows, p, strict=True)
+        ]
+        seen = [
+            s.prompt + h if q.repetition_penalty != 1 else [] for (s, _, h), q in zip(rows, p, strict=True)
+        ]
         controls = RowControls(
             presence=floats([q.presence_penalty for q in p]),
             frequency=floats([q.frequency_penalty for q in p]),
             repetition=floats([q.repetition_penalty for q in p]),
-            generated=_padded([h for _, _, h in rows], vocab, device),
-            seen=_padded(
-                [s.prompt + h if r else [] for (s, _, h), r in zip(rows, repeats, strict=True)], vocab, device
-            ),
+            generated=_padded(generated, vocab, device),
+            seen=_padded(seen, vocab, device),
             bias_ids=_padded([[t for t, _ in q.logit_bias] for q in p], vocab, device),
             bias_values=_padded([[b for _, b in q.logit_bias] for q in p], 0, device, torch.float32),
             banned=_padded(banned, vocab, device),
@@ -99,7 +104,8 @@ class Sampler:
         )
         return Prepared(batch, controls)
 
-    def _controlled(self, seq: Sequence, j: int, history: list[int]) -> bool:
+    def _controlled(self, seq: Sequence) -> bool:
+        """Whether any of the sequence's rows has a control (a min_tokens ban is widest on its first)."""
         q = seq.params
         return (
             q.presence_penalty != 0
@@ -108,7 +114,7 @@ class Sampler:
             or bool(q.logit_bias)
             or q.allowed_token_ids is not None
             or Constraints.needed(q)
-            or bool(self._min_tokens_ban(seq, len(history) - len(seq.output)))
+            or bool(self._min_tokens_ban(seq, 0))
         )
 
     def _min_tokens_ban(self, seq: Sequence, n_new: int) -> list[int]:
@@ -143,13 +149,17 @@ class Sampler:
         if sampled_rows:
             q = [row_params[i] for i in sampled_rows]
             device = logits.device
-            probs = filtered_logits(
-                logits[sampled_rows],
-                torch.tensor([x.temperature for x in q], device=device),
-                torch.tensor([x.top_k for x in q], device=device),
-                torch.tensor([x.top_p for x in q], device=device),
-                torch.tensor([x.min_p for x in q], device=device),
-            ).softmax(-1)
+            # A filter no row uses is left out (the sort over the vocabulary is the costly part).
+            filters = {
+                "top_k": [x.top_k for x in q] if any(x.top_k > 0 for x in q) else 0,
+                "top_p": [x.top_p for x in q] if any(x.top_p < 1 for x in q) else 1.0,
+                "min_p": [x.min_p for x in q] if any(x.min_p > 0 for x in q) else 0.0,
+            }
+            given = {
+                k: torch.tensor(v, device=device) if isinstance(v, list) else v for k, v in filters.items()
+            }
+            temperature = torch.tensor([x.temperature for x in q], device=device)
+            probs = filtered_logits(logits[sampled_rows], temperature, **given).softmax(-1)
             probs = probs.cpu()  # the sequences' generators are CPU generators
         where = {row: k for k, row in enumerate(sampled_rows)}
         best = logits.argmax(dim=-1).tolist()  # the step's one sync for greedy rows

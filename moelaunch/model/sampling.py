@@ -88,8 +88,12 @@ def filtered_logits(
         return torch.as_tensor(v, dtype=dtype, device=x.device).reshape(-1, 1).expand(rows, 1)
 
     x = x / column(temperature, x.dtype)
-    probs = x.softmax(-1)
-    x = x.masked_fill(probs < column(min_p, probs.dtype) * probs.amax(-1, keepdim=True), float("-inf"))
+    # A setting given as one number that keeps everything costs nothing (no softmax, no sort).
+    if not (isinstance(min_p, float | int) and min_p <= 0):
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < column(min_p, probs.dtype) * probs.amax(-1, keepdim=True), float("-inf"))
+    if isinstance(top_k, int) and top_k <= 0 and isinstance(top_p, float | int) and top_p >= 1:
+        return x[0] if single else x
     k = column(top_k, torch.long)
     k = torch.where(k > 0, k.clamp(max=vocab), vocab)
     sorted_x, order = x.sort(dim=-1, descending=True)

@@ -24,7 +24,7 @@ class Grammars:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         vocab, byte_level = tokenizer.grammar_vocabulary()
-        vocab += [""] * (vocab_size - len(vocab))
+        vocab = vocab[:vocab_size] + [""] * (vocab_size - len(vocab))  # the logits' width
         kind = xgr.VocabType.BYTE_LEVEL if byte_level else xgr.VocabType.RAW
         stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
         self.info = xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=stops)
