@@ -321,6 +321,12 @@ def test_the_openai_client_with_every_parameter(client, server):
         **common, prompt=["abc", "xyz"], best_of=2, echo=False, logprobs=2, suffix=None
     )
     assert len(text.choices) == 4 and text.choices[0].logprobs.tokens
+    text_stream = client.completions.create(
+        **{**common, "stream": True, "stream_options": {"include_usage": True}},
+        prompt=["abc", "xyz"], best_of=2, echo=False, logprobs=2, suffix=None,
+    )  # fmt: skip
+    pieces = list(text_stream)
+    assert {c.index for p in pieces for c in p.choices} == {0, 1, 2, 3} and pieces[-1].usage.completion_tokens
     for refused, param in [
         (dict(audio={"voice": "alloy", "format": "wav"}, modalities=["text", "audio"]), "audio"),
         (dict(web_search_options={}), "web_search_options"),

@@ -53,7 +53,13 @@ class Sampler:
         self._worker: ThreadPoolExecutor | None = None
 
     def prepare_async(self, batch: Batch, device: torch.device) -> Future[Prepared]:
-        """`prepare` in the background: call before the model runs, take the result after."""
+        """`prepare`, in the background when a grammar's masks are to be made: call before the model
+        runs, take the result after. Without a grammar it is quick and runs here (a thread's GIL
+        hand-offs cost the forward more than it saves)."""
+        if not any(seq.params.structured_outputs is not None for seq, _ in batch):
+            done: Future[Prepared] = Future()
+            done.set_result(self.prepare(batch, device))
+            return done
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="sampler-prepare")
         return self._worker.submit(self.prepare, batch, device)
