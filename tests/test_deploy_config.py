@@ -216,7 +216,7 @@ def test_set_overrides(tmp_path, monkeypatch):
 def test_set_job_mode_switches_modes_keeping_shared_keys(tmp_path):
     cfg = load_deploy_config(write(tmp_path, BATCH), ["job.mode=chat"])
     assert isinstance(cfg.job, ChatJob) and cfg.job.max_tokens == 64
-    with pytest.raises(DeployConfigError, match="unknown key job.input .*--set job.input=x"):
+    with pytest.raises(DeployConfigError, match=r"unknown key job.input\b.*--set job.input=x"):
         load_deploy_config(write(tmp_path, BATCH), ["job.mode=chat", "job.input=x"])
 
 

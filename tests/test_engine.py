@@ -110,7 +110,7 @@ def test_stop_conditions_and_logprobs(checkpoint, reference):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("temperature", -1), ("top_p", 0), ("top_k", 0), ("max_tokens", 0), ("min_tokens", 99), ("n", 0),
+    [("temperature", -1), ("top_p", 0), ("top_k", -2), ("max_tokens", 0), ("min_tokens", 99), ("n", 0),
      ("logprobs", 50), ("stop", [""]), ("temperature", "hot"), ("max_tokens", 1.5), ("seed", "x")],
 )  # fmt: skip
 def test_invalid_sampling_params_name_the_field(field, value):

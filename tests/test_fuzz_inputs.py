@@ -19,7 +19,7 @@ from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.launcher.jobs.batch import LineError, parse_line
-from moelaunch.launcher.serve.handlers import APIError, _parse
+from moelaunch.launcher.serve.handlers import APIError, parse_body
 from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest
 from moelaunch.parallel.mesh import LayoutError
 
@@ -125,6 +125,6 @@ def test_deployment_files_load_and_plan_or_say_what_is_wrong(tmp_path_factory, r
 @pytest.mark.parametrize("model", [ChatCompletionRequest, CompletionRequest])
 def test_request_bodies_parse_or_get_a_400_naming_the_field(model, body):
     try:
-        _parse(model, body)
+        parse_body(model, body)
     except APIError as e:
         assert e.status == 400 and str(e)

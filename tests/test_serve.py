@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,8 +15,8 @@ from pathlib import Path
 
 import httpx
 import openai
-import psutil
 import pytest
+from serve_process import served
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.cluster.rendezvous import free_port
@@ -47,34 +46,10 @@ def server(checkpoint, tmp_path_factory):
         "engine: {max_num_seqs: 4, max_model_len: 256}\n"
         "cluster: {backend: local, devices_per_node: 2, device: cpu, timeouts: {collective_s: %d}}\n"
         "server: {port: %d, api_key: %s, served_model_name: %s, max_queue: 3, max_body_bytes: 20000,"
-        " log_interval_s: 1}\n" % (COLLECTIVE_S, port, KEY, MODEL)
+        " log_interval_s: 1, strict: true}\n" % (COLLECTIVE_S, port, KEY, MODEL)
     )
-    log = config.with_suffix(".log")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moelaunch.launcher.cli", "serve", str(config)], stdout=out, stderr=out
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, f"the server exited:\n{log.read_text()}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"the server did not come up:\n{log.read_text()}"
-        time.sleep(0.5)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    yield {"url": url, "proc": proc, "log": log, "workers": workers}
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the server did not stop on SIGINT:\n{log.read_text()}")
-    _, alive = psutil.wait_procs(workers, timeout=30)
-    assert not alive, "a worker rank outlived the server"
+    with served(config, port) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
-from moelaunch.engine.sampler import sample_sequence
+from moelaunch.engine.sampler import sample_batch
 from moelaunch.engine.sequence import Sequence
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import load_model
@@ -57,10 +57,25 @@ def test_draft_verification_keeps_the_sampling_distribution():
     draws, trials = Counter(), 6000
     for i in range(trials):
         seq = Sequence(i, "r", 0, [1], params, torch.Generator().manual_seed(i))
-        draws[sample_sequence(logits, seq, [3], eos_id=None)[0].token] += 1
+        draws[sample_batch(logits, [(seq, [3])], eos_id=None)[0][0].token] += 1
     target = logits[0].softmax(-1)
     for token in range(5):
         assert abs(draws[token] / trials - target[token].item()) < 0.02
+
+
+def test_a_grammar_sequence_keeps_its_grammar_beside_drafting_ones(checkpoint):
+    # Byte-level vocabulary; a grammar's sequence ignores its draft, the others in the batch verify theirs.
+    choices = ("alpha", "beta", "gamma")
+    constrained = SamplingParams(
+        temperature=0.8, max_tokens=12, seed=1, structured_outputs={"choice": choices}
+    )
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp") as llm:
+        plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        both = llm.generate(PROMPTS * 2, [GREEDY] * len(PROMPTS) + [constrained] * len(PROMPTS))
+    assert [o.outputs[0].token_ids for o in both[: len(PROMPTS)]] == plain
+    assert all(
+        o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop" for o in both[len(PROMPTS) :]
+    )
 
 
 def test_mtp_needs_mtp_weights(tmp_path):

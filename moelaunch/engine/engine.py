@@ -109,7 +109,7 @@ class LLMEngine:
         # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
         micro = self.config.micro_batches or mesh.shape.pp
-        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp)
+        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer)
         # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
         self.drafted = self.accepted = 0
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
@@ -176,6 +176,7 @@ class LLMEngine:
                 f"request {request_id!r}: token id {outside[0]!r} is not in the vocabulary "
                 f"(ids 0..{vocab - 1})"
             )
+        self.runner.sampler.constraints.check(params)
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"request {request_id!r}: stop strings need the tokenizer, which skip_tokenizer_init=True "

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moelaunch.engine.sampler import SampledToken, sample_batch
+from moelaunch.engine.sampler import SampledToken, Sampler
 from moelaunch.engine.scheduler import ScheduledChunk
 from moelaunch.model.batch import BatchLayout, SeqSpan
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.mesh import ParallelMesh
+from moelaunch.text.tokenizer import Tokenizer
 
 MAX_DRAFT = 1  # MTP depth 1: one guessed token per step
 
@@ -39,6 +40,7 @@ class ModelRunner:
         micro_batches: int,
         eos_id: int | None,
         use_mtp: bool = False,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.model = model
         self.mesh = mesh
@@ -47,6 +49,7 @@ class ModelRunner:
         self.eos_id = eos_id
         self.use_mtp = use_mtp
         self.dtype = model.compute_dtype()
+        self.sampler = Sampler(tokenizer, model.args.vocab_size, eos_id)
 
     @torch.inference_mode()
     def step(self, plan: list[ScheduledChunk]) -> dict[int, StepResult]:
@@ -69,6 +72,9 @@ class ModelRunner:
             ids.extend(c.token_ids)
             offset += c.length
         layout = BatchLayout.build(spans, self.cache, [c.seq.block_ids for c in chunks], mesh.device)
+        sampling = [(c, s) for c, s in zip(chunks, spans, strict=True) if c.samples]
+        if mesh.is_last_stage:  # the sampling controls and grammar masks, made while the model runs
+            prepared = self.sampler.prepare_async([(c.seq, list(c.draft)) for c, _ in sampling], mesh.device)
         if mesh.is_first_stage:
             x = model.embed(torch.tensor(ids, dtype=torch.long, device=mesh.device))
         else:
@@ -81,13 +87,12 @@ class ModelRunner:
                 pending.append(mesh.send_to_next_stage(x))
             return
         hidden = model.final_norm(x)
-        sampling = [(c, s) for c, s in zip(chunks, spans, strict=True) if c.samples]
         # Target rows: the sequence's last real token and every draft token after it.
         rows = [
             r for c, s in sampling for r in range(s.offset + s.length - len(c.draft) - 1, s.offset + s.length)
         ]
-        logits = model.head(hidden[torch.tensor(rows, dtype=torch.long, device=mesh.device)]).cpu()
-        tokens = sample_batch(logits, [(c.seq, list(c.draft)) for c, _ in sampling], self.eos_id)
+        logits = model.head(hidden[torch.tensor(rows, dtype=torch.long, device=mesh.device)])
+        tokens = self.sampler.sample(logits, prepared.result())
         for (c, _), sampled in zip(sampling, tokens, strict=True):
             results[c.seq.seq_id] = StepResult(sampled)
         if self.use_mtp:

@@ -1,20 +1,30 @@
 """Next tokens for a batch of sequences, each with its own settings and seeded generator, so a
 sequence draws the same tokens whatever batch, replica or layout it runs in.
 
+A step's per-row controls (penalties, logit bias, min_tokens and bad-word bans, allowed tokens, the
+grammar's bitmask) are prepared on the host from what is known before the model runs, in a thread
+while it runs; they are then applied to all rows at once on the logits' device (moelaunch.model.sampling).
+
 With a speculative draft, the target rows are checked in order: greedy keeps a draft token while it
 is the argmax; sampling keeps it with probability p(draft) and otherwise draws from p without it
 (the draft is a point guess, so this is exact rejection sampling: outputs keep the target
-distribution). After the last kept draft token one more token is drawn from its row.
+distribution). After the last kept draft token one more token is drawn from its row. A sequence with a
+grammar ignores its draft (the grammar's mask is made for the first row only).
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from moelaunch.engine.constraints import Constraints
 from moelaunch.engine.sequence import Sequence
-from moelaunch.model.sampling import draw, filtered_logits
+from moelaunch.model.sampling import RowControls, controlled_logits, draw, filtered_logits
+from moelaunch.text.tokenizer import Tokenizer
+
+Batch = list[tuple[Sequence, list[int]]]  # (sequence, its draft tokens): len(draft) + 1 logits rows
 
 
 @dataclass
@@ -24,24 +34,168 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
-def _banned_while_short(seq: Sequence, n_new: int, eos_id: int | None) -> list[int]:
-    """Tokens that would end the output before min_tokens (n_new: tokens already taken this step)."""
-    if len(seq.output) + n_new >= seq.params.min_tokens:
-        return []
-    ends = list(seq.params.stop_token_ids)
-    if eos_id is not None and not seq.params.ignore_eos:
-        ends.append(eos_id)
-    return ends
+@dataclass
+class Prepared:
+    batch: Batch
+    controls: RowControls | None  # None: no row has any control (the logits are used as they are)
 
 
-def _target(row: torch.Tensor, seq: Sequence, n_new: int, eos_id: int | None) -> torch.Tensor:
-    """Logits after min_tokens bans; for sampling also temperature, top-k and top-p."""
-    banned = _banned_while_short(seq, n_new, eos_id)
-    if banned:
-        row = row.clone()
-        row[banned] = float("-inf")
-    p = seq.params
-    return row if p.greedy else filtered_logits(row, p.temperature, p.top_k, p.top_p)
+def _padded(lists: list[list[int]], pad: int, device: torch.device, dtype=torch.long) -> torch.Tensor:
+    width = max(1, max(map(len, lists), default=0))
+    return torch.tensor([row + [pad] * (width - len(row)) for row in lists], dtype=dtype, device=device)
+
+
+class Sampler:
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_id: int | None) -> None:
+        self.constraints = Constraints(tokenizer, vocab_size)
+        self.vocab_size = vocab_size
+        self.eos_id = eos_id
+        self._worker: ThreadPoolExecutor | None = None
+
+    def prepare_async(self, batch: Batch, device: torch.device) -> Future[Prepared]:
+        """`prepare`, in the background when a grammar's masks are to be made: call before the model
+        runs, take the result after. Without a grammar it is quick and runs here (a thread's GIL
+        hand-offs cost the forward more than it saves)."""
+        if not any(seq.params.structured_outputs is not None for seq, _ in batch):
+            done: Future[Prepared] = Future()
+            done.set_result(self.prepare(batch, device))
+            return done
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="sampler-prepare")
+        return self._worker.submit(self.prepare, batch, device)
+
+    def prepare(self, batch: Batch, device: torch.device) -> Prepared:
+        if not any(self._controlled(seq) for seq, _ in batch):  # checked without copying any history
+            return Prepared(batch, None)
+        rows = [(seq, j, seq.output + draft[:j]) for seq, draft in batch for j in range(len(draft) + 1)]
+        vocab, p = self.vocab_size, [seq.params for seq, _, _ in rows]
+        banned, grammar_rows = [], []
+        for i, (seq, j, history) in enumerate(rows):
+            if Constraints.needed(seq.params) and seq.constraints is None:
+                seq.constraints = self.constraints.make(seq.params)
+            banned.append(self._banned(seq, history))
+            if seq.constraints is not None and seq.constraints.matcher is not None and j == 0:
+                grammar_rows.append(i)
+        grammar = None
+        if grammar_rows:
+            grammar = self.constraints.grammars.new_bitmask(len(rows))
+            for i in grammar_rows:
+                seq = rows[i][0]
+                seq.constraints.fill_grammar(seq.output, grammar, i)
+            grammar = grammar.to(device)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        # Token lists only for the rows whose penalties read them.
+        generated = [
+            h if q.presence_penalty or q.frequency_penalty else []
+            for (_, _, h), q in zip(rows, p, strict=True)
+        ]
+        seen = [
+            s.prompt + h if q.repetition_penalty != 1 else [] for (s, _, h), q in zip(rows, p, strict=True)
+        ]
+        controls = RowControls(
+            presence=floats([q.presence_penalty for q in p]),
+            frequency=floats([q.frequency_penalty for q in p]),
+            repetition=floats([q.repetition_penalty for q in p]),
+            generated=_padded(generated, vocab, device),
+            seen=_padded(seen, vocab, device),
+            bias_ids=_padded([[t for t, _ in q.logit_bias] for q in p], vocab, device),
+            bias_values=_padded([[b for _, b in q.logit_bias] for q in p], 0, device, torch.float32),
+            banned=_padded(banned, vocab, device),
+            allowed=_padded([list(q.allowed_token_ids or ()) for q in p], vocab, device),
+            restricted=torch.tensor([q.allowed_token_ids is not None for q in p], device=device),
+            grammar=grammar,
+        )
+        return Prepared(batch, controls)
+
+    def _controlled(self, seq: Sequence) -> bool:
+        """Whether any of the sequence's rows has a control (a min_tokens ban is widest on its first)."""
+        q = seq.params
+        return (
+            q.presence_penalty != 0
+            or q.frequency_penalty != 0
+            or q.repetition_penalty != 1
+            or bool(q.logit_bias)
+            or q.allowed_token_ids is not None
+            or Constraints.needed(q)
+            or bool(self._min_tokens_ban(seq, 0))
+        )
+
+    def _min_tokens_ban(self, seq: Sequence, n_new: int) -> list[int]:
+        """Tokens that would end the output before min_tokens (n_new: tokens already taken this step)."""
+        if len(seq.output) + n_new >= seq.params.min_tokens:
+            return []
+        ends = list(seq.params.stop_token_ids)
+        if self.eos_id is not None and not seq.params.ignore_eos:
+            ends.append(self.eos_id)
+        return ends
+
+    def _banned(self, seq: Sequence, history: list[int]) -> list[int]:
+        banned = self._min_tokens_ban(seq, len(history) - len(seq.output))
+        if seq.constraints is not None:
+            banned += seq.constraints.banned_after(history)
+        return banned
+
+    def sample(self, logits: torch.Tensor, prepared: Prepared) -> list[list[SampledToken]]:
+        """logits [rows, vocab]: for each (sequence, draft) of the batch, len(draft) + 1 consecutive rows.
+        Returns each sequence's kept draft tokens and one more (at least one token)."""
+        batch = prepared.batch
+        raw = logits
+        if prepared.controls is not None:
+            logits = controlled_logits(logits, prepared.controls)
+        starts, at = [], 0
+        for _, draft in batch:
+            starts.append(at)
+            at += len(draft) + 1
+        row_params = [seq.params for seq, draft in batch for _ in range(len(draft) + 1)]
+        sampled_rows = [i for i, q in enumerate(row_params) if not q.greedy]
+        probs = None
+        if sampled_rows:
+            q = [row_params[i] for i in sampled_rows]
+            device = logits.device
+            # A filter no row uses is left out (the sort over the vocabulary is the costly part).
+            filters = {
+                "top_k": [x.top_k for x in q] if any(x.top_k > 0 for x in q) else 0,
+                "top_p": [x.top_p for x in q] if any(x.top_p < 1 for x in q) else 1.0,
+                "min_p": [x.min_p for x in q] if any(x.min_p > 0 for x in q) else 0.0,
+            }
+            given = {
+                k: torch.tensor(v, device=device) if isinstance(v, list) else v for k, v in filters.items()
+            }
+            temperature = torch.tensor([x.temperature for x in q], device=device)
+            probs = filtered_logits(logits[sampled_rows], temperature, **given).softmax(-1)
+            probs = probs.cpu()  # the sequences' generators are CPU generators
+        where = {row: k for k, row in enumerate(sampled_rows)}
+        best = logits.argmax(dim=-1).tolist()  # the step's one sync for greedy rows
+        out = []
+        for (seq, draft), start in zip(batch, starts, strict=True):
+            rows = raw[start : start + len(draft) + 1]
+            logprobs = torch.log_softmax(rows, dim=-1) if seq.params.logprobs is not None else None
+            verify = draft if seq.params.structured_outputs is None else []
+            tokens: list[SampledToken] = []
+            for j in range(len(verify) + 1):
+                guess = verify[j] if j < len(verify) else None
+                if seq.params.greedy:
+                    token = best[start + j]
+                else:
+                    token = _draw(probs[where[start + j]], guess, seq.generator)
+                tokens.append(_record(token, logprobs, j, seq))
+                if token != guess:
+                    break
+            out.append(tokens)
+        return out
+
+
+def _draw(probs: torch.Tensor, guess: int | None, generator: torch.Generator) -> int:
+    """Keep the draft guess with probability p(guess), else draw from p without it."""
+    if guess is not None and torch.rand(1, generator=generator).item() < probs[guess].item():
+        return guess
+    if guess is not None:
+        probs = probs.clone()
+        probs[guess] = 0.0
+    return draw(probs, generator)
 
 
 def _record(token: int, logprobs: torch.Tensor | None, j: int, seq: Sequence) -> SampledToken:
@@ -54,47 +208,9 @@ def _record(token: int, logprobs: torch.Tensor | None, j: int, seq: Sequence) ->
     return sampled
 
 
-def sample_sequence(
-    rows: torch.Tensor, seq: Sequence, draft: list[int], eos_id: int | None
-) -> list[SampledToken]:
-    """rows [len(draft) + 1, vocab]: the target logits at the sequence's last token and each draft
-    token. Returns the kept draft tokens and one more (at least one token)."""
-    logprobs = torch.log_softmax(rows, dim=-1) if seq.params.logprobs is not None else None
-    out: list[SampledToken] = []
-    for j in range(len(draft) + 1):
-        target = _target(rows[j], seq, len(out), eos_id)
-        guess = draft[j] if j < len(draft) else None
-        if seq.params.greedy:
-            token = int(target.argmax())
-        else:
-            probs = target.softmax(-1)
-            if guess is not None and torch.rand(1, generator=seq.generator).item() < probs[guess].item():
-                token = guess
-            else:
-                if guess is not None:
-                    probs[guess] = 0.0
-                token = draw(probs, seq.generator)
-        out.append(_record(token, logprobs, j, seq))
-        if token != guess:
-            break
-    return out
-
-
 def sample_batch(
-    logits: torch.Tensor, requests: list[tuple[Sequence, list[int]]], eos_id: int | None
+    logits: torch.Tensor, batch: Batch, eos_id: int | None, tokenizer: Tokenizer | None = None
 ) -> list[list[SampledToken]]:
-    """`sample_sequence` for each (sequence, draft) over consecutive blocks of len(draft) + 1 rows.
-
-    Plain greedy sequences (no draft, no min_tokens ban, no logprobs) take their token from one argmax
-    over the whole batch: one call instead of one per sequence, which shows at large decode batches.
-    """
-    argmax = logits.argmax(dim=-1).tolist()
-    out, at = [], 0
-    for seq, draft in requests:
-        p = seq.params
-        if not draft and p.greedy and p.logprobs is None and not _banned_while_short(seq, 0, eos_id):
-            out.append([SampledToken(argmax[at])])
-        else:
-            out.append(sample_sequence(logits[at : at + len(draft) + 1], seq, draft, eos_id))
-        at += len(draft) + 1
-    return out
+    """One step's tokens without a model runner (tests, tools): prepare and sample at once."""
+    sampler = Sampler(tokenizer, logits.shape[-1], eos_id)
+    return sampler.sample(logits, sampler.prepare(batch, logits.device))

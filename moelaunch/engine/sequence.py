@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moelaunch.engine.constraints import SequenceConstraints
 from moelaunch.engine.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose latents are in the cache
     finish_reason: str | None = None
     draft: list[int] = field(default_factory=list)  # MTP's guess of the tokens after the last one
+    constraints: SequenceConstraints | None = None  # bad words and grammar, made by the sampler
 
     @property
     def tokens(self) -> list[int]:

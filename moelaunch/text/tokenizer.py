@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 Message = dict[str, Any]
 
@@ -27,6 +28,7 @@ class Tokenizer:
         self.bos_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
         template = config.get("chat_template")
+        self._template_source = template
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
@@ -45,6 +47,14 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def grammar_vocabulary(self) -> tuple[list[str], bool]:
+        """Every id's token string as the model's vocabulary spells it, with added tokens (specials,
+        think markers) as "" so a grammar never emits them; and whether the spelling is byte-level
+        (GPT-2's printable stand-ins for bytes, as DeepSeek-V3's tokenizer has)."""
+        added = self._tok.get_added_tokens_decoder()
+        vocab = ["" if i in added else (self._tok.id_to_token(i) or "") for i in range(self.vocab_size)]
+        return vocab, isinstance(self._tok.decoder, decoders.ByteLevel)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text are recognized, none is added."""
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -52,18 +62,29 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> str:
+        """`variables`: more the template may use (tools, a template's own switches), as transformers
+        passes them."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
         return self._template.render(
+            **variables,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True, **variables: Any
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables))
+
+    def template_mentions(self, name: str) -> bool:
+        """Whether the chat template uses `name` (e.g. tools): a template that does not, ignores it."""
+        return self._template_source is not None and name in self._template_source
 
 
 def _raise(message: str) -> None:

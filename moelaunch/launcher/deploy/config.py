@@ -187,6 +187,9 @@ class ServerConfig(_Strict):
     max_queue: int = Field(256, ge=0, description="requests waiting beyond the running batches; more get 429")
     max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted (413 beyond)")
     log_interval_s: float = Field(10.0, gt=0, description="seconds between throughput / cache-use log lines")
+    strict: bool = Field(
+        False, description="refuse (400) a request field the server does not know, not log it"
+    )
 
     @field_validator("api_key", mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """The HTTP application: routes, the API key check, errors in OpenAI's shape.
 
-Every route but /health needs `Authorization: Bearer KEY` when a key is set. /health answers 200 only
+Besides the OpenAI routes, /tokenize and /detokenize answer as vLLM's do. Every route but /health
+needs `Authorization: Bearer KEY` when a key is set. /health answers 200 only
 while the engine thread answers (every rank up, no failure); /metrics is Prometheus' text format.
 """
 
@@ -14,7 +15,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from moelaunch.launcher.serve import handlers, responses
+from moelaunch.launcher.serve import tokenize as tokenizing
 from moelaunch.launcher.serve.handlers import APIError, ServerState
+from moelaunch.launcher.serve.tokenize import DetokenizeRequest, TokenizeRequest
 
 HEALTH_TIMEOUT_S = 5.0
 
@@ -69,4 +72,21 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         return await handlers.completions(state, request)
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = handlers.parse_body(TokenizeRequest, await handlers.read_json(request, state.max_body_bytes))
+        return _or_400(lambda: tokenizing.tokenize(state, req))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = handlers.parse_body(DetokenizeRequest, await handlers.read_json(request, state.max_body_bytes))
+        return _or_400(lambda: tokenizing.detokenize(state, req))
+
     return app
+
+
+def _or_400(answer):
+    try:
+        return answer()
+    except ValueError as e:
+        raise APIError(400, str(e)) from None

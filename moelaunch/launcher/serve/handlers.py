@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,8 +26,9 @@ from moelaunch.launcher.deploy.config import show_value
 from moelaunch.launcher.serve import responses
 from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
 from moelaunch.launcher.serve.metrics import ServeMetrics
-from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest
+from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from moelaunch.launcher.serve.text import chat_message
+from moelaunch.launcher.serve.tools import ChoiceCalls, template_messages
 from moelaunch.text.reasoning import ReasoningSplit, prompt_opens_reasoning
 from moelaunch.text.streaming import IncrementalText
 from moelaunch.text.tokenizer import Tokenizer
@@ -64,6 +66,7 @@ class ServerState:
     metrics: ServeMetrics
     api_key: str | None
     max_body_bytes: int
+    strict: bool = False  # server.strict: an unknown request field is a 400, not a log line
 
 
 @dataclass
@@ -76,30 +79,41 @@ class _Call:
     n: int
     logprobs: int | None
     reasoning_opened: bool = False  # a chat whose template opened the think section (DeepSeek-R1's)
+    tools: ChatCompletionRequest | None = None  # a chat that offers tools: how to read calls back
+
+    @property
+    def tool_mode(self) -> str:
+        return self.tools.tool_mode if self.tools is not None else "none"
 
     def first_index(self, request_id: str) -> int:
         return next(i for i, r in enumerate(self.requests) if r.request_id == request_id) * self.n
 
 
 async def chat_completions(state: ServerState, http: HTTPRequest) -> Any:
-    req = _parse(ChatCompletionRequest, await read_json(http, state.max_body_bytes))
+    req = parse_body(ChatCompletionRequest, await read_json(http, state.max_body_bytes))
+    _check_fields(state, req)
     _check_model(state, req.model)
-    messages = [m.as_template_input() for m in req.messages]
+    messages, tools = template_messages(
+        state.tokenizer, [m.as_template_input() for m in req.messages], req.tools
+    )
+    variables = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
     try:
-        prompt_ids = state.tokenizer.encode_chat(messages)
+        prompt_ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, **variables)
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
     opened = prompt_opens_reasoning(state.tokenizer, prompt_ids)
     call = _call(state, responses.CHAT, "chatcmpl", req, [(prompt_ids, None)], opened)
-    return await _respond(state, http, call, req.stream, req.include_usage, req.stop)
+    call.tools = req if req.tool_mode != "none" else None
+    return await _respond(state, http, call, req)
 
 
 async def completions(state: ServerState, http: HTTPRequest) -> Any:
-    req = _parse(CompletionRequest, await read_json(http, state.max_body_bytes))
+    req = parse_body(CompletionRequest, await read_json(http, state.max_body_bytes))
+    _check_fields(state, req)
     _check_model(state, req.model)
     prompts = [(state.tokenizer.encode(p), p) if isinstance(p, str) else (p, None) for p in req.prompts()]
     call = _call(state, responses.COMPLETION, "cmpl", req, prompts)
-    return await _respond(state, http, call, req.stream, req.include_usage, req.stop)
+    return await _respond(state, http, call, req)
 
 
 async def read_json(http: HTTPRequest, limit: int) -> Any:
@@ -119,7 +133,7 @@ async def read_json(http: HTTPRequest, limit: int) -> Any:
         raise APIError(400, f"the body is not valid JSON: {e}") from None
 
 
-def _parse(model: type[BaseModel], body: Any) -> Any:
+def parse_body(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -138,6 +152,20 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         given = f" (given {show_value(err['input'])})" if err["type"] != "missing" else ""
         why = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
         raise APIError(400, f"{path}: {why}{given}", field) from None
+
+
+def _check_fields(state: ServerState, req: Any) -> None:
+    """400 for a field whose value cannot be honoured; an unknown field is logged (or a 400 when strict)."""
+    refused = req.refused()
+    if refused is not None:
+        raise APIError(400, refused[1], refused[0])
+    unknown = req.unknown_fields
+    if unknown and state.strict:
+        raise APIError(
+            400, f"unknown field(s) {', '.join(unknown)} (server.strict is set; leave them out)", unknown[0]
+        )
+    if unknown:
+        print(f"serve: ignored unknown request field(s) {', '.join(unknown)}", file=sys.stderr, flush=True)
 
 
 def _check_model(state: ServerState, name: str) -> None:
@@ -180,9 +208,7 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> i
     return requested if requested is not None else room
 
 
-async def _respond(
-    state: ServerState, http: HTTPRequest, call: _Call, stream: bool, include_usage: bool, stop: Any
-) -> Any:
+async def _respond(state: ServerState, http: HTTPRequest, call: _Call, req: Any) -> Any:
     outputs = OutputStream(asyncio.get_running_loop())
     ids = [r.request_id for r in call.requests]
     # Timed from here, before the engine thread can see them.
@@ -196,9 +222,8 @@ async def _respond(
         state.metrics.forget(ids)
         raise APIError(503, str(e)) from None
     state.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in call.requests))
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if stream:
-        events = _events(state, http, call, outputs, include_usage, stops)
+    if req.stream:
+        events = _events(state, http, call, outputs, req.stream_options or StreamOptions(), req.stop)
         return StreamingResponse(events, media_type="text/event-stream")
     finished = await _until_finished(state, http, call, outputs)
     state.metrics.requests.labels("200").inc()
@@ -255,7 +280,10 @@ def _whole(state: ServerState, call: _Call, finished: dict[str, Progress]) -> di
         first = call.first_index(request.request_id)
         for c in progress.choices:
             completion_tokens += len(c.token_ids)
-            choices.append(_choice(state, call, first + c.index, c, c.text, 0, len(c.token_ids), 0))
+            calls = ChoiceCalls(call.tools) if call.tools is not None else None
+            choices.append(
+                _choice(state, call, first + c.index, c, c.text, 0, len(c.token_ids), 0, None, calls)
+            )
     prompt_tokens = sum(len(r.prompt_ids) for r in call.requests)
     return {**body, "choices": choices, "usage": responses.usage(prompt_tokens, completion_tokens)}
 
@@ -270,30 +298,40 @@ def _choice(
     end: int,
     text_offset: int,
     delta: ReasoningSplit | None = None,
+    calls: ChoiceCalls | None = None,
 ) -> dict[str, Any]:
-    """One choice of a response, or of a stream chunk when `delta` (the choice's split so far) is given."""
+    """One choice of a response, or of a stream chunk when `delta` (the choice's split so far) is given;
+    `calls` reads a chat choice's tool calls out of its content."""
     logprobs = None
     if call.logprobs is not None and end > start:
         if call.kind == responses.CHAT:
             logprobs = responses.chat_logprobs(state.tokenizer, c, start, end)
         else:
             logprobs = responses.completion_logprobs(state.tokenizer, c, start, end, text_offset)
+    finish = c.finish_reason
     if call.kind == responses.CHAT:
-        if delta is None:
-            key, fields = "message", chat_message(text, call.reasoning_opened)
-        else:
-            key, fields = "delta", delta.delta(text)
-        return {"index": index, key: fields, "logprobs": logprobs, "finish_reason": c.finish_reason}
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        key, fields = (
+            ("message", chat_message(text, call.reasoning_opened))
+            if delta is None
+            else ("delta", delta.delta(text))
+        )
+        if calls is not None:
+            read = calls.whole if delta is None else calls.delta
+            called, finish = read(fields.get("content", ""), finish)
+            fields = {**fields, **called}
+        return {"index": index, key: fields, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
 
 async def _events(
-    state: ServerState, http: HTTPRequest, call: _Call, outputs: OutputStream, include_usage: bool, stops
+    state: ServerState, http: HTTPRequest, call: _Call, outputs: OutputStream, options: StreamOptions, stops
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if call.kind == responses.CHAT else responses.COMPLETION
     head = responses.envelope(kind, call.response_id, state.model_name)
+    prompt_tokens = sum(len(r.prompt_ids) for r in call.requests)
     texts: dict[int, IncrementalText] = {}
     splits: dict[int, ReasoningSplit] = {}
+    tool_calls: dict[int, ChoiceCalls] = {}
     tokens_sent: dict[int, int] = {}
     done: dict[str, Progress] = {}
     try:
@@ -320,14 +358,20 @@ async def _events(
                 # A chunk for every step that brought tokens, even when their text is held back or empty
                 # (a partial character): clients time tokens by chunks.
                 if delta or c.finish_reason or end > start:
-                    split = None
+                    split, calls = None, None
                     if call.kind == responses.CHAT:
                         split = splits.setdefault(index, ReasoningSplit(call.reasoning_opened))
-                    chunk_choices.append(_choice(state, call, index, c, delta, start, end, offset, split))
+                    if call.tools is not None:
+                        calls = tool_calls.setdefault(index, ChoiceCalls(call.tools))
+                    chunk_choices.append(
+                        _choice(state, call, index, c, delta, start, end, offset, split, calls)
+                    )
             if chunk_choices:
-                yield _sse({**head, "choices": chunk_choices})
-        if include_usage:
-            prompt_tokens = sum(len(r.prompt_ids) for r in call.requests)
+                chunk = {**head, "choices": chunk_choices}
+                if options.continuous_usage_stats:
+                    chunk["usage"] = responses.usage(prompt_tokens, sum(tokens_sent.values()))
+                yield _sse(chunk)
+        if options.include_usage:
             completion_tokens = sum(len(c.token_ids) for p in done.values() for c in p.choices)
             yield _sse({**head, "choices": [], "usage": responses.usage(prompt_tokens, completion_tokens)})
         yield "data: [DONE]\n\n"

@@ -46,6 +46,7 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         metrics=metrics,
         api_key=s.api_key_in_effect(),
         max_body_bytes=s.max_body_bytes,
+        strict=s.strict,
     )
     host, port = sock.getsockname()[:2]
     loop.start()
