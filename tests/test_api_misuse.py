@@ -48,3 +48,14 @@ def test_shutdown_after_a_worker_died_raises_nothing_more(checkpoint):
             llm.generate("hello world", SHORT)
         llm.shutdown()  # the death was reported above; shutting down is quiet
     # and leaving the `with` block (a second shutdown) raised nothing either
+
+
+def test_numpy_scalars_are_numbers_and_wrong_kinds_are_refused():
+    import numpy as np
+
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(3), ignore_eos=np.bool_(True))
+    assert (params.temperature, params.max_tokens, params.ignore_eos) == (0.5, 3, True)
+    with pytest.raises(ValueError, match="ignore_eos='yes': must be a valid boolean"):
+        SamplingParams(ignore_eos="yes")
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[1.5\] item 0: must be a valid integer"):
+        SamplingParams(stop_token_ids=[1.5])

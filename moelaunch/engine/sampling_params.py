@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
+import numpy as np
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -181,6 +182,9 @@ class SamplingParams(BaseModel):
     )
 
     def __init__(self, **values: Any) -> None:
+        # numpy scalars (a temperature from np.linspace, a count from an array) are numbers to a user;
+        # strict validation would refuse them, so they become Python's own first.
+        values = {k: v.item() if isinstance(v, np.generic) else v for k, v in values.items()}
         try:
             super().__init__(**values)
         except ValidationError as e:
