@@ -23,6 +23,7 @@ from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.engine import LLMEngine
 from moelaunch.engine.sampling_params import SamplingParams
+from moelaunch.launcher.commands import count, sampling_value
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.model.weight_spec import WEIGHT_DTYPES, WeightSpec
@@ -39,12 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode.add_argument("--interactive", action="store_true", help="chat on the terminal (rank 0)")
     mode.add_argument("--input-file", help="one prompt per line")
     p.add_argument("--output-file", help="write one JSON line per prompt: prompt, completion, token_ids")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses seed + i)")
-    p.add_argument("--tp", type=int, help="tensor parallel size (default: what the world leaves)")
-    p.add_argument("--dp", type=int, default=1, help="data parallel attention replicas")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--max-new-tokens", type=sampling_value("max_tokens"), default=200)
+    p.add_argument("--temperature", type=sampling_value("temperature"), default=0.2)
+    p.add_argument(
+        "--seed", type=sampling_value("seed"), default=0, help="sampling seed (prompt i uses seed + i)"
+    )
+    p.add_argument("--tp", type=count, help="tensor parallel size (default: what the world leaves)")
+    p.add_argument("--dp", type=count, default=1, help="data parallel attention replicas")
+    p.add_argument("--pp", type=count, default=1, help="pipeline stages")
     p.add_argument("--dtype", choices=WEIGHT_DTYPES, default="auto")
     p.add_argument("--speculative", choices=["mtp"], help="draft with the checkpoint's MTP layer")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any wait on a peer may take")

@@ -4,7 +4,11 @@ serve, slurm."""
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
+from typing import Any, get_args
 
+from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DEFAULT_CONFIG
 
 
@@ -19,6 +23,52 @@ def count(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
     return value
+
+
+def positive_number(text: str) -> float:
+    """argparse type for a rate or a temperature: a finite number > 0 (nan, inf, 0 and -1 refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{value}: give a finite number > 0")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type for a share of something: a number in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give a number in [0, 1)")
+    return value
+
+
+def sampling_value(field: str) -> Callable[[str], Any]:
+    """argparse type for a flag that sets SamplingParams.<field>: parsed as the field's number type and
+    checked by SamplingParams itself, so the flag takes exactly what a request takes, and a bad value
+    (0 tokens, a nan temperature, a seed past 2^63) is refused with the usage line before anything loads."""
+    annotation = SamplingParams.model_fields[field].annotation
+    kind = int if annotation is int or int in get_args(annotation) else float
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'an integer' if kind is int else 'a number'}"
+            ) from None
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix("SamplingParams.")) from None
+        return value
+
+    parse.__name__ = field  # argparse names the type in its messages
+    return parse
 
 
 def add_deployment_arguments(p: argparse.ArgumentParser, config_required: bool = False) -> None:

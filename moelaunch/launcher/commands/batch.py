@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from moelaunch.engine.llm import LLM
-from moelaunch.launcher.commands import count
+from moelaunch.launcher.commands import count, sampling_value
 from moelaunch.launcher.jobs.batch import run_batch
 from moelaunch.launcher.jobs.output_path import check_writable
 
@@ -36,12 +36,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-memory", type=count, help="bytes per rank for the KV cache")
     p.add_argument("--max-num-seqs", type=count, default=256, help="sequences per step and replica")
     sampling = p.add_argument_group("sampling defaults (a line's own fields override them)")
-    sampling.add_argument("--max-tokens", type=count, default=256)
-    sampling.add_argument("--temperature", type=float, help="default 1.0; 0 is greedy")
-    sampling.add_argument("--top-p", type=float, help="default 1.0")
-    sampling.add_argument("--top-k", type=int, help="default -1 (no limit)")
+    sampling.add_argument("--max-tokens", type=sampling_value("max_tokens"), default=256)
     sampling.add_argument(
-        "--seed", type=int, default=0, help="a line without a seed uses SEED + crc32(id): resumable sampling"
+        "--temperature", type=sampling_value("temperature"), help="default 1.0; 0 is greedy"
+    )
+    sampling.add_argument("--top-p", type=sampling_value("top_p"), help="default 1.0")
+    sampling.add_argument("--top-k", type=sampling_value("top_k"), help="default -1 (no limit)")
+    sampling.add_argument(
+        "--seed",
+        type=sampling_value("seed"),
+        default=0,
+        help="a line without a seed uses SEED + crc32(id): resumable sampling",
     )
     p.add_argument("--max-in-flight", type=count, help="requests held by the engine at once")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

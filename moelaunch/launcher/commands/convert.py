@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from moelaunch import kernels
+from moelaunch.launcher.commands import count
 from moelaunch.tools.convert import fp8_to_bf16, quantize_fp8, quantize_int4, quantize_int8, quantize_w8a8
 
 CONVERSIONS = {
@@ -23,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("dst", help="destination directory (created)")
     p.add_argument(
         "--group-size",
-        type=int,
+        type=count,
         default=None,
         help=f"quantize-int4 only: input columns per scale and zero point, a multiple of 16 "
         f"(default {kernels.INT4_GROUP_SIZE})",

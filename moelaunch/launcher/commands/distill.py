@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from moelaunch.launcher.commands import count, positive_number, sampling_value
 from moelaunch.tools.distill import DEFAULT_TRAIN, DistillConfig, distill
 
 
@@ -17,17 +18,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("teacher", help="teacher Hugging Face checkpoint directory")
     p.add_argument("out", help="student directory (new or empty; with --resume, the run's own)")
     p.add_argument(
-        "--layers", type=int, required=True, help="student decoder layers (evenly spaced teacher layers)"
+        "--layers", type=count, required=True, help="student decoder layers (evenly spaced teacher layers)"
     )
-    p.add_argument("--experts", type=int, required=True, help="student routed experts per MoE layer")
+    p.add_argument("--experts", type=count, required=True, help="student routed experts per MoE layer")
     p.add_argument("--features", action="store_true", help="also match the teacher's hidden states (MSE)")
-    p.add_argument("--steps", type=int, default=DEFAULT_TRAIN.steps)
-    p.add_argument("--batch", type=int, default=DEFAULT_TRAIN.batch, help="sequences per step")
-    p.add_argument("--lr", type=float, default=DEFAULT_TRAIN.lr)
+    p.add_argument("--steps", type=count, default=DEFAULT_TRAIN.steps)
+    p.add_argument("--batch", type=count, default=DEFAULT_TRAIN.batch, help="sequences per step")
+    p.add_argument("--lr", type=positive_number, default=DEFAULT_TRAIN.lr)
     p.add_argument(
-        "--temperature", type=float, default=DistillConfig.temperature, help="softening of both distributions"
+        "--temperature",
+        type=positive_number,
+        default=DistillConfig.temperature,
+        help="softening of both distributions",
     )
-    p.add_argument("--seed", type=int, default=DEFAULT_TRAIN.seed)
+    p.add_argument("--seed", type=sampling_value("seed"), default=DEFAULT_TRAIN.seed)
     p.add_argument(
         "--prompts",
         type=Path,
@@ -35,10 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: problems of the bundled task family, scored on their answers)",
     )
     p.add_argument("--resume", action="store_true", help="continue from the state saved in OUT")
-    p.add_argument("--n-group", type=int, help="a new n_group for the student's router")
-    p.add_argument("--topk-group", type=int, help="a new topk_group for the student's router")
+    p.add_argument("--n-group", type=count, help="a new n_group for the student's router")
+    p.add_argument("--topk-group", type=count, help="a new topk_group for the student's router")
     # One thread by default: results depend on the thread count (a resumed run must match).
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=count, default=1, help="torch CPU threads")
     p.set_defaults(func=run)
 
 

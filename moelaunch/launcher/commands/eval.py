@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from moelaunch.launcher.commands import count
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, Answer, accuracy, ask, open_engine, tally
 from moelaunch.model.expert_load import ExpertLoad
 from moelaunch.tasks.problem_sets import HELD_OUT_SIZE, conversations_sample, held_out_sample
@@ -28,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model", default=str(DEFAULT_CHECKPOINT), help="checkpoint directory (default: the shipped one)"
     )
     p.add_argument(
-        "--n", type=int, default=HELD_OUT_SIZE, help=f"held-out questions to score (1..{HELD_OUT_SIZE})"
+        "--n", type=count, default=HELD_OUT_SIZE, help=f"held-out questions to score (1..{HELD_OUT_SIZE})"
     )
     p.add_argument(
         "--multi-turn", action="store_true", help="score conversations of 2-6 turns (about --n turns in all)"

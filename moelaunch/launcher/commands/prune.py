@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from moelaunch.launcher.commands import count, fraction
 from moelaunch.tools.expert_pruning import prune_experts
 from moelaunch.tools.head_pruning import prune_heads
 from moelaunch.tools.magnitude_pruning import PATTERNS, prune_magnitude
@@ -15,12 +16,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="source Hugging Face checkpoint directory")
     p.add_argument("out", help="destination directory (created; must be new or empty)")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--experts", type=int, metavar="K", help="keep the K most used routed experts per layer")
     how.add_argument(
-        "--heads", type=int, metavar="H", help="keep the H most important attention heads per layer"
+        "--experts", type=count, metavar="K", help="keep the K most used routed experts per layer"
     )
     how.add_argument(
-        "--sparsity", type=float, metavar="S", help="zero the fraction S of smallest projection weights"
+        "--heads", type=count, metavar="H", help="keep the H most important attention heads per layer"
+    )
+    how.add_argument(
+        "--sparsity", type=fraction, metavar="S", help="zero the fraction S of smallest projection weights"
     )
     p.add_argument(
         "--pattern", choices=sorted(PATTERNS), help="with --sparsity 0.5: keep 2 of every 4 inputs"
@@ -31,8 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prompts for --experts/--heads: one a line, or JSON lines {prompt} / {messages} "
         "(default: 256 problems of the bundled task family)",
     )
-    p.add_argument("--n-group", type=int, help="with --experts: a new n_group for the router")
-    p.add_argument("--topk-group", type=int, help="with --experts: a new topk_group for the router")
+    p.add_argument("--n-group", type=count, help="with --experts: a new n_group for the router")
+    p.add_argument("--topk-group", type=count, help="with --experts: a new topk_group for the router")
     p.set_defaults(func=run)
 
 
