@@ -131,9 +131,18 @@ class LLMEngine:
         )
         budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
         # More blocks than every sequence at full length could use are never touched.
-        most = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        n = torch.tensor([min(num_blocks_for(budget, per_block), most)])
+        per_seq = -(-self.max_model_len // cfg.block_size)
+        n = torch.tensor([min(num_blocks_for(budget, per_block), cfg.max_num_seqs * per_seq)])
         n = int(self.mesh.world.all_reduce_min(n).item())
+        if cfg.max_model_len is not None and n < per_seq:
+            # Asked for explicitly, the length must fit at least once; otherwise every prompt past the
+            # cache would be refused only when it arrives.
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs {per_seq} KV blocks of {cfg.block_size} tokens "
+                f"({per_seq * per_block:,} bytes per rank) for one sequence, but the KV cache holds {n} blocks "
+                f"({n * cfg.block_size} tokens; this rank's budget: {budget:,} bytes, {per_block:,} per block): "
+                "raise kv_cache_memory or kv_cache_fraction, set kv_cache_dtype='fp8', or lower max_model_len"
+            )
         return model.new_paged_cache(n, cfg.block_size, fp8=fp8, sparse=sparse)
 
     # ---- front end (rank 0) ----
