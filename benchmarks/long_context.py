@@ -105,8 +105,9 @@ def engine_run(ckpt: Path, tp: int, max_model_len: int, chunk: int, engine: dict
 
 def in_process(args: argparse.Namespace, tp: int, length: int, engine: dict) -> dict:
     """engine_run in a fresh Python, so that its peak RSS is this run's alone."""
+    run = json.dumps({"tp": tp, "length": length, "engine": engine})
     command = [sys.executable, "-m", "benchmarks.long_context", "--ckpt", str(args.ckpt), "--chunk",
-               str(args.chunk), "--one-run", json.dumps({"tp": tp, "length": length, "engine": engine})]  # fmt: skip
+               str(args.chunk), "--one-run", run]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
         raise RuntimeError(f"run tp={tp} length={length} failed:\n{done.stderr[-3000:]}")
@@ -114,16 +115,17 @@ def in_process(args: argparse.Namespace, tp: int, length: int, engine: dict) -> 
 
 
 def engine_table(args: argparse.Namespace) -> None:
-    print("| tp | max_model_len | prompt | prefill s | prefill tok/s | decode tok/s | RSS before MB | peak RSS MB "
-          "(rank 0 / others) | growth MB | plan MB | growth / plan |")  # fmt: skip
+    print("| tp | max_model_len | prompt | prefill s | prefill tok/s | decode tok/s | RSS before MB "
+          "| peak RSS MB (rank 0 / others) | growth MB | plan MB | growth / plan |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for tp in args.tp:
         for length in args.lengths:
             r = in_process(args, tp, length, {})
             growth = r["peak_rank0"] - r["rss_before"]
             others = "/".join(f"{p / MB:.0f}" for p in r["peak_workers"]) or "-"
-            print(f"| {tp} | {length} | {r['prompt']} | {r['prefill_s']:.1f} | {r['prompt'] / r['prefill_s']:.0f} | "
-                  f"{(NEW_TOKENS - 1) / r['decode_s']:.1f} | {r['rss_before'] / MB:.0f} | "
+            print(f"| {tp} | {length} | {r['prompt']} | {r['prefill_s']:.1f} | "
+                  f"{r['prompt'] / r['prefill_s']:.0f} | {(NEW_TOKENS - 1) / r['decode_s']:.1f} | "
+                  f"{r['rss_before'] / MB:.0f} | "
                   f"{r['peak_rank0'] / MB:.0f} / {others} | {growth / MB:.0f} | {r['planned'] / MB:.0f} | "
                   f"{growth / r['planned']:.3f} |", flush=True)  # fmt: skip
 
@@ -136,12 +138,15 @@ def drift(args: argparse.Namespace) -> None:
                "top-k 256 blocks": {"attention": {"topk_blocks": 256}}}  # fmt: skip
     full = in_process(args, 1, length, {})
     print(f"full cache: prefill {full['prefill_s']:.1f} s; greedy tokens {full['tokens'][:8]}...")
-    print("| option | prefill s | greedy tokens equal to the full cache's (of 32) | first token's top-5 logprob "
-          "max abs diff |")  # fmt: skip
+    print("| option | prefill s | greedy tokens equal to the full cache's (of 32) "
+          "| first token's top-5 logprob max abs diff |")  # fmt: skip
     print("|---|---:|---:|---:|")
     for name, engine in options.items():
         r = in_process(args, 1, length, engine)
-        same = next((i for i, (a, b) in enumerate(zip(r["tokens"], full["tokens"])) if a != b), NEW_TOKENS)
+        same = next(
+            (i for i, (a, b) in enumerate(zip(r["tokens"], full["tokens"], strict=True)) if a != b),
+            NEW_TOKENS,
+        )
         common = set(r["first_logprobs"]) & set(full["first_logprobs"])
         diff = max(abs(r["first_logprobs"][k] - full["first_logprobs"][k]) for k in common)
         print(f"| {name} | {r['prefill_s']:.1f} | first {same} | {diff:.2e} |", flush=True)
@@ -159,8 +164,8 @@ def versus_transformers(args: argparse.Namespace, lengths: list[int]) -> None:
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         args.ckpt, dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
-    print("| prompt | our prefill s (median of 3, min-max) | transformers s | max abs logit diff | at positions "
-          "(diff) | 8 greedy tokens equal |")  # fmt: skip
+    print("| prompt | our prefill s (median of 3, min-max) | transformers s | max abs logit diff "
+          "| at positions (diff) | 8 greedy tokens equal |")  # fmt: skip
     print("|---:|---:|---:|---:|---|---|")
     for length in lengths:
         ids = torch.tensor([random_prompt(length, seed=length)])
@@ -182,8 +187,8 @@ def versus_transformers(args: argparse.Namespace, lengths: list[int]) -> None:
         picks = [p for p in (0, 4095, 4096, length // 2, length - 1) if p < length]
         at = ", ".join(f"{p}: {err[p]:.1e}" for p in picks)
         greedy = expected[length - 1 :].argmax(dim=-1).tolist()[:8] == tokens
-        print(f"| {length} | {statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f}) | {hf_s:.2f} | "
-              f"{err.max():.1e} | {at} | {greedy} |", flush=True)  # fmt: skip
+        ours_s = f"{statistics.median(times):.2f} ({min(times):.2f}-{max(times):.2f})"
+        print(f"| {length} | {ours_s} | {hf_s:.2f} | {err.max():.1e} | {at} | {greedy} |", flush=True)
 
 
 def absorbed_check(args: argparse.Namespace) -> None:

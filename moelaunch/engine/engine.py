@@ -139,8 +139,9 @@ class LLMEngine:
             # cache would be refused only when it arrives.
             raise ValueError(
                 f"max_model_len={self.max_model_len} needs {per_seq} KV blocks of {cfg.block_size} tokens "
-                f"({per_seq * per_block:,} bytes per rank) for one sequence, but the KV cache holds {n} blocks "
-                f"({n * cfg.block_size} tokens; this rank's budget: {budget:,} bytes, {per_block:,} per block): "
+                f"({per_seq * per_block:,} bytes per rank) for one sequence, but the KV cache holds {n} "
+                f"blocks ({n * cfg.block_size} tokens; this rank's budget: {budget:,} bytes, {per_block:,} "
+                "per block): "
                 "raise kv_cache_memory or kv_cache_fraction, set kv_cache_dtype='fp8', or lower max_model_len"
             )
         return model.new_paged_cache(n, cfg.block_size, fp8=fp8, sparse=sparse)
