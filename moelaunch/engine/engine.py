@@ -15,7 +15,7 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig
-from moelaunch.engine.memory import available_bytes, num_blocks_for
+from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moelaunch.engine.sampling_params import SamplingParams
@@ -95,6 +95,8 @@ class LLMEngine:
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
+        if mesh.device.type == "cpu":
+            return_large_frees_to_the_os()  # host RSS then follows the plan's live figures
         self.model = load_shard(weights, mesh, with_mtp=use_mtp)
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
