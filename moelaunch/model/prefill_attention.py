@@ -94,9 +94,9 @@ def band_mask(
     q_start: int, n_queries: int, k_start: int, n_keys: int, window: int, device: torch.device
 ) -> torch.Tensor | None:
     """Additive [T, S] mask of a sliding window (query p sees keys p - window .. p) for queries at
-    q_start.. over keys at k_start..; None when it hides nothing."""
-    last_query = q_start + n_queries - 1
-    if k_start >= last_query - window and k_start + n_keys - 1 <= q_start:
+    q_start.. over keys at k_start..; None when the window hides none of these keys (the plain causal or
+    unmasked path then runs, exactly as without a window)."""
+    if k_start >= q_start + n_queries - 1 - window:
         return None
     q_pos = torch.arange(q_start, q_start + n_queries, device=device)[:, None]
     k_pos = torch.arange(k_start, k_start + n_keys, device=device)[None, :]
