@@ -1,46 +1,98 @@
-"""Causal prompt attention by query blocks (each over only its visible keys) against one masked
-softmax over every key, for fresh prompts and for chunks that follow a cached prefix."""
+"""Prompt attention in pieces (a chunk's own keys, then earlier keys by segments, merged by their
+log-sum-exp) against one masked softmax over every key in float64, on the fused CPU kernel and on the
+portable path; and through the model, chunked prefill over a paged cache against independent paths."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from error_bounds import assert_within, dot_logit_error, softmax_average_error
+from tiny_models import make_hf_model
 
-from moelaunch.measure.random_checkpoint import SHAPES
-from moelaunch.model.attention import MLA, PREFILL_QUERY_BLOCK, causal_mask
-from moelaunch.model.config import args_from_hf_config
+from moelaunch.model import load_model, prefill_attention
+from moelaunch.model.attention import causal_mask
+from moelaunch.model.kv_cache import SparseAttention
+
+SEGMENT = 37  # earlier keys per piece here: several pieces, the last one partial
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["cpu-flash", "portable"])
 @pytest.mark.parametrize(
-    ("n_queries", "n_keys"),
+    ("n_queries", "n_keys", "window"),
     [
-        (2, 2),
-        (PREFILL_QUERY_BLOCK, PREFILL_QUERY_BLOCK),
-        (2 * PREFILL_QUERY_BLOCK + 45, 2 * PREFILL_QUERY_BLOCK + 45),  # a partial last block
-        (PREFILL_QUERY_BLOCK + 7, 3 * PREFILL_QUERY_BLOCK),  # a chunk after a cached prefix
+        (2, 2, None),
+        (300, 300, None),  # a fresh prompt: the own square only, past one QUERY_BLOCK
+        (45, 200, None),  # a chunk after a cached prefix of several segments
+        (60, 200, 50),  # a sliding window: some segments hide whole rows
     ],
 )
-def test_blocked_causal_attention_equals_one_masked_softmax(n_queries, n_keys):
+def test_pieces_merged_equal_one_masked_softmax(n_queries, n_keys, window, portable):
     torch.manual_seed(n_queries + n_keys)
-    args = args_from_hf_config(SHAPES["tiny"])
-    mla = MLA(args).requires_grad_(False)
-    torch.nn.init.normal_(mla.kv_b_proj.weight, std=0.3)
-    heads, nope, rope = mla.n_heads, mla.nope_dim, mla.rope_dim
-    q = torch.randn(n_queries, heads, nope + rope)
-    kv, k_pe = torch.randn(n_keys, mla.kv_rank), torch.randn(n_keys, rope)
-    mask = causal_mask(n_queries, n_keys, torch.device("cpu"))
+    heads, dim, dv, scale = 3, 24, 16, 0.3
+    q, k, v = (
+        torch.randn(heads, n_queries, dim),
+        torch.randn(heads, n_keys, dim),
+        torch.randn(heads, n_keys, dv),
+    )
+    start = n_keys - n_queries  # the queries' first position
+    first = max(0, start - window) if window is not None else 0
 
-    out = mla._naive(q, kv, k_pe, mask)
+    def piece(k_start: int, k_end: int, causal: bool):
+        mask = None
+        if window is not None:
+            mask = prefill_attention.band_mask(start, n_queries, k_start, k_end - k_start, window, q.device)
+        ks, vs = k[:, k_start:k_end], v[:, k_start:k_end]
+        return prefill_attention.attend(q, ks, vs, scale, causal and mask is None, mask, portable)
 
-    k, v = mla._keys_values(kv, k_pe)
-    scores = torch.einsum("thd,shd->hts", q.double(), k.double()) * mla.scale + mask.double()
-    expected = torch.einsum("hts,shv->thv", scores.softmax(dim=-1), v.double())
+    parts = [piece(start, n_keys, causal=True)]
+    parts += [piece(a, min(start, a + SEGMENT), causal=False) for a in range(first, start, SEGMENT)]
+    out = prefill_attention.merge(parts)
+
+    mask = causal_mask(n_queries, n_keys, q.device, window).double()
+    scores = torch.einsum("htd,hsd->hts", q.double(), k.double()) * scale + mask
+    expected = torch.einsum("hts,hsv->htv", scores.softmax(dim=-1), v.double())
     bound = torch.stack(
         [
-            softmax_average_error(scores[h], dot_logit_error(q[:, h], k[:, h], mla.scale), v[:, h].double())
+            softmax_average_error(scores[h], dot_logit_error(q[h], k[h], scale), v[h].double())
             for h in range(heads)
-        ],
-        dim=1,
+        ]
     )
     assert_within(out, expected, bound)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(make_hf_model(tmp_path_factory.mktemp("tiny")))
+
+
+def _chunked(model, ids, chunks, cache):
+    pieces, pos = [], 0
+    for n in chunks:
+        pieces.append(model(ids[:, pos : pos + n], pos, cache))
+        pos += n
+    return torch.cat(pieces, dim=1)
+
+
+def test_chunked_prefill_over_segments_equals_one_pass(tiny, monkeypatch):
+    """Chunks that read their prefix back from the cache in several segments give the logits of one
+    uncached pass (whose attention is a single fused causal call)."""
+    monkeypatch.setattr(prefill_attention, "KEY_SEGMENT", 16)
+    ids = torch.randint(2, 320, (1, 100), generator=torch.Generator().manual_seed(0))
+    chunked = _chunked(tiny, ids, [30, 30, 40], tiny.new_cache(1, 100))
+    assert (chunked - tiny(ids)).abs().max().item() <= 1e-4
+
+
+def test_windowed_chunked_prefill_equals_the_absorbed_masked_path(tiny, monkeypatch):
+    """Under a sliding window, the pieces with band masks agree with the absorbed form's one masked
+    softmax over every visible key (a separate implementation of the same window)."""
+    monkeypatch.setattr(prefill_attention, "KEY_SEGMENT", 16)
+    ids = torch.randint(2, 320, (1, 100), generator=torch.Generator().manual_seed(1))
+    window = SparseAttention(window=24)
+    naive = _chunked(tiny, ids, [30, 30, 40], tiny.new_paged_cache(1, 100, sparse=window))
+    tiny.attn_impl = "absorbed"
+    try:
+        absorbed = _chunked(tiny, ids, [30, 30, 40], tiny.new_paged_cache(1, 100, sparse=window))
+    finally:
+        tiny.attn_impl = "auto"
+    assert (naive - absorbed).abs().max().item() <= 1e-4
+    assert (naive - tiny(ids)).abs().max().item() > 1e-3  # the window did change the result

@@ -63,6 +63,18 @@ def test_preemption_with_a_tiny_block_budget_keeps_outputs(checkpoint, reference
         assert llm.engine.scheduler.preemptions > 0
 
 
+def test_a_max_model_len_the_kv_budget_cannot_hold_is_refused_with_the_numbers(checkpoint):
+    bytes_per_block = 4 * (16 + 8) * 4 * 4  # block_size 4, latent 16+8, 4 layers, fp32
+    with pytest.raises(ValueError) as refused:
+        LLM(checkpoint, kv_cache_memory=12 * bytes_per_block, block_size=4, max_model_len=64)
+    message = str(refused.value)
+    for figure in ["max_model_len=64 needs 16 KV blocks of 4 tokens", "holds 12 blocks (48 tokens",
+                   f"{bytes_per_block:,} per block", "raise kv_cache_memory"]:  # fmt: skip
+        assert figure in message, message
+    with LLM(checkpoint, kv_cache_memory=16 * bytes_per_block, block_size=4, max_model_len=64) as llm:
+        assert llm.engine.blocks.num_blocks == 16  # exactly one sequence's worth is enough
+
+
 def test_prefix_cache_hits_are_counted_and_change_nothing(checkpoint):
     shared = [0] + list(range(20, 36))  # 17 tokens: 4 full blocks of 4 shared
     prompts = [shared + [40, 41], shared + [50]]

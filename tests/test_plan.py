@@ -43,15 +43,17 @@ EXPERT = 3 * (2048 * 7168 + 16 * 56 * 4)  # one routed expert, whole: 16 x 56 bl
 EMBED = (129280 // 8) * 7168 * 2
 HEAD = (129280 // 8) * 7168 * 2 + 7168 * 2  # lm_head slice + final norm
 WEIGHTS = EMBED + 61 * ATTENTION + 3 * DENSE_MLP + 58 * (ROUTER + SHARED) + 58 * 16 * EXPERT + HEAD
-KV = (512 + 64) * 2 * 61 * 32768 * 32  # latent + rope per token and layer, bf16, 32768 tokens x 32 seqs
-ACTIVATIONS = 8192 * 7168 * 2 * 16  # max_num_batched_tokens x hidden x bf16 x 16 buffers
+KV = (512 + 64) * 2 * 61 * 131072 * 8  # latent + rope per token and layer, bf16, 131072 tokens x 8 seqs
+# max_num_batched_tokens x hidden x bf16 x 16 buffers, plus latent-wide prefill buffers: 3 per step token
+# and 2 per key of an 8192-key cached segment
+ACTIVATIONS = 8192 * 7168 * 2 * 16 + (3 * 8192 + 2 * 8192) * 576 * 2
 
 
 def test_hand_figures_themselves():
     assert EXPERT == 44_050_944 and ATTENTION == 36_676_448
     assert WEIGHTS == 44_260_854_816  # 44.26 GB
-    assert KV == 73_685_532_672 and ACTIVATIONS == 1_879_048_192
-    assert WEIGHTS + KV + ACTIVATIONS == 119_825_435_680  # 119.83 GB < 141 x 0.9 = 126.9 GB
+    assert KV == 73_685_532_672 and ACTIVATIONS == 1_926_234_112
+    assert WEIGHTS + KV + ACTIVATIONS == 119_872_621_600  # 119.87 GB < 141 x 0.9 = 126.9 GB
 
 
 def test_671b_on_2x8_h200_matches_the_hand_figures():
@@ -81,8 +83,8 @@ def test_671b_printed_plan_shows_the_pieces(capsys):
         "[24576/8 x 1536] = 4,718,592 x 1 B + 24 x 12 scales x 4 B = 4,719,744 B",
         "[129280/8 x 7168] = 115,834,880 x 2 B = 231,669,760 B",
         f"weights total: {WEIGHTS:,} B = 44.26 GB",
-        "(kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B x 61 layers x 32768 tokens x 32 sequences",
-        "total: 44.26 + 73.69 + 1.88 = 119.83 GB; usable 141.00 GB x 0.9 = 126.90 GB: fits",
+        "(kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B x 61 layers x 131072 tokens x 8 sequences",
+        "total: 44.26 + 73.69 + 1.93 = 119.87 GB; usable 141.00 GB x 0.9 = 126.90 GB: fits",
     ]:
         assert piece in out, piece
 

@@ -15,7 +15,7 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig
-from moelaunch.engine.memory import available_bytes, num_blocks_for
+from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from moelaunch.engine.sampling_params import SamplingParams
@@ -95,6 +95,8 @@ class LLMEngine:
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
+        if mesh.device.type == "cpu":
+            return_large_frees_to_the_os()  # host RSS then follows the plan's live figures
         self.model = load_shard(weights, mesh, with_mtp=use_mtp)
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
@@ -131,9 +133,19 @@ class LLMEngine:
         )
         budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
         # More blocks than every sequence at full length could use are never touched.
-        most = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        n = torch.tensor([min(num_blocks_for(budget, per_block), most)])
+        per_seq = -(-self.max_model_len // cfg.block_size)
+        n = torch.tensor([min(num_blocks_for(budget, per_block), cfg.max_num_seqs * per_seq)])
         n = int(self.mesh.world.all_reduce_min(n).item())
+        if cfg.max_model_len is not None and n < per_seq:
+            # Asked for explicitly, the length must fit at least once; otherwise every prompt past the
+            # cache would be refused only when it arrives.
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs {per_seq} KV blocks of {cfg.block_size} tokens "
+                f"({per_seq * per_block:,} bytes per rank) for one sequence, but the KV cache holds {n} "
+                f"blocks ({n * cfg.block_size} tokens; this rank's budget: {budget:,} bytes, {per_block:,} "
+                "per block): "
+                "raise kv_cache_memory or kv_cache_fraction, set kv_cache_dtype='fp8', or lower max_model_len"
+            )
         return model.new_paged_cache(n, cfg.block_size, fp8=fp8, sparse=sparse)
 
     # ---- front end (rank 0) ----

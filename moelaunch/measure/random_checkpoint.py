@@ -13,6 +13,16 @@ import torch
 
 from moelaunch.text.byte_tokenizer import write_byte_tokenizer
 
+# DeepSeek-V3's own config.json rope_scaling: YaRN from 4K to 160K positions.
+DEEPSEEK_V3_ROPE_SCALING = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 SHAPES: dict[str, dict[str, Any]] = {
     # The tests' models: every DeepSeek-V3 feature at sizes that run in milliseconds.
     "tiny": dict(
@@ -62,6 +72,33 @@ SHAPES: dict[str, dict[str, Any]] = {
         routed_scaling_factor=2.5,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
+    ),
+    # Long context (benchmarks/long_context.py, tests/test_long_context.py): DeepSeek-V3's rope scaling,
+    # positions and latent width (kv_lora_rank 512), so the latent cache dominates memory at 128K tokens,
+    # with heads narrow enough that a 131,072-token prefill runs in minutes on two CPU cores.
+    "long-context": dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=512,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=163840,
+        rope_scaling=DEEPSEEK_V3_ROPE_SCALING,
+        initializer_range=0.1,
     ),
     # benchmarks/shard_memory.py: ~113M parameters (~450 MB in fp32), every size split over tp=2 and ep=4.
     "shard-memory": dict(

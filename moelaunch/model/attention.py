@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelaunch import kernels
+from moelaunch.model import prefill_attention
 from moelaunch.model.batch import BatchLayout, DecodeRows
 from moelaunch.model.config import ModelArgs
 from moelaunch.model.linear import Linear
@@ -22,10 +23,6 @@ from moelaunch.model.rope import RotaryEmbedding
 from moelaunch.model.sharding import WHOLE, ModelShard
 
 AttnImpl = Literal["auto", "naive", "absorbed"]
-
-# Queries per block in causal prompt attention: small enough to skip most masked keys, large enough
-# that each block is still one efficient fused attention (128 measured best on one CPU core).
-PREFILL_QUERY_BLOCK = 128
 
 
 def causal_mask(n_queries: int, n_keys: int, device: torch.device, window: int | None = None) -> torch.Tensor:
@@ -121,6 +118,9 @@ class MLA(nn.Module):
             if i in skip:
                 continue
             rows = slice(span.offset, span.offset + span.length)
+            if span.length > 1 and impl != "absorbed":
+                out[rows] = self._prefill(q[rows], kv[rows], k_pe[rows], layout, i, layer)
+                continue
             keys, pes = kv[rows], k_pe[rows]
             # A span that starts the sequence has all its keys in this pass; earlier ones come from the
             # cache (read back only when it holds them in another dtype, as decode will see them), from
@@ -130,11 +130,10 @@ class MLA(nn.Module):
                 keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos, first)
             window = cache.sparse.window if cache is not None else None
             mask = causal_mask(span.length, keys.shape[0], x.device, window) if span.length > 1 else None
-            absorbed = impl == "absorbed" or (impl == "auto" and span.length == 1)
-            if absorbed:
+            if impl != "naive":
                 out[rows] = self._absorbed(q_nope[rows], q_pe[rows], keys, pes, mask)
             else:
-                out[rows] = self._naive(q[rows], keys, pes, mask)
+                out[rows] = self._naive(q[rows], keys, pes)
         return self.o_proj(out.flatten(1))
 
     def _naive_rectangle(self, q, kv, k_pe, batch: int) -> torch.Tensor:
@@ -143,10 +142,14 @@ class MLA(nn.Module):
         t = q.shape[0] // batch
         k, v = self._keys_values(kv.reshape(batch, t, -1), k_pe.reshape(batch, t, -1))
         q = q.reshape(batch, t, self.n_heads, -1)
+        if q.device.type == "cpu":
+            # The CPU's fused (flash) kernel takes one head size for q, k and v; with narrower values SDPA
+            # falls back to unfused math over a [T, T] score matrix, 20x slower at 12K tokens.
+            v = F.pad(v, (0, max(0, q.shape[-1] - self.v_dim)))
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale
         )
-        return out.transpose(1, 2).reshape(batch * t, self.n_heads, self.v_dim)
+        return out[..., : self.v_dim].transpose(1, 2).reshape(batch * t, self.n_heads, self.v_dim)
 
     def _keys_values(self, kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys [..., S, H, nope + rope] and values [..., S, H, v] expanded from the latent."""
@@ -172,30 +175,44 @@ class MLA(nn.Module):
         w = self.kv_b_proj.dense_weight(dtype).view(self.n_heads, self.nope_dim + self.v_dim, self.kv_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def _naive(self, q, kv, k_pe, mask) -> torch.Tensor:
-        """Per-head keys and values from the latent: queries [T, H, nope | rope] over S cached tokens,
-        in fused attention (the mask, additive [T, S], puts the queries at the last T positions).
-
-        Causal prompts go by blocks of queries, each over only the keys up to its last position: a
-        fresh prompt then costs about half the arithmetic of one masked T x S attention."""
+    def _naive(self, q, kv, k_pe) -> torch.Tensor:
+        """Queries [T, H, nope | rope] over all S given keys (decode rows under impl="naive"), in fused
+        attention with per-head keys and values expanded from the latent."""
         k, v = self._keys_values(kv, k_pe)
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, scale=self.scale).transpose(0, 1)
-        n_queries, n_keys = mask.shape
-        mask = mask.to(q.dtype)
-        parts = []
-        for start in range(0, n_queries, PREFILL_QUERY_BLOCK):
-            end = min(n_queries, start + PREFILL_QUERY_BLOCK)
-            visible = n_keys - n_queries + end
-            # Written out rather than SDPA with a mask: its CPU path then falls back to unfused math
-            # plus checks for fully masked rows, twice the time of these three calls.
-            scores = torch.baddbmm(
-                mask[start:end, :visible], q[:, start:end], k[:, :visible].transpose(1, 2), alpha=self.scale
-            )
-            probs = scores.softmax(dim=-1, dtype=torch.float32).to(v.dtype)
-            parts.append(torch.bmm(probs, v[:, :visible]))
-        return torch.cat(parts, dim=1).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=self.scale
+        )
+        return out.transpose(0, 1)
+
+    def _prefill(self, q, kv, k_pe, layout: BatchLayout, index: int, layer: int) -> torch.Tensor:
+        """A prompt chunk ([T, H, *] queries; kv, k_pe its own new latents) over its own keys, causally,
+        and over the earlier keys of its sequence read from the cache one segment at a time, in the naive
+        form (per-head keys cost nope + rope per score, the absorbed ones kv_rank + rope). Flash style:
+        no [T, S] matrix, memory linear in the length (see prefill_attention)."""
+        span, cache = layout.spans[index], layout.cache
+        start, end = span.start_pos, span.end_pos
+        window = cache.sparse.window if cache is not None else None
+        if cache is not None and cache.pool.dtype != kv.dtype:
+            # Attend to the chunk's keys as the cache holds them (fp8), as decode will see them.
+            kv, k_pe = cache.gather(layer, layout.block_tables[index], end, start)
+        q = q.transpose(0, 1)
+        parts = [self._attend(q, kv, k_pe, start, start, window, causal=True)]
+        first = cache.sparse.first_visible(start) if cache is not None else start
+        for seg_start in range(first, start, prefill_attention.KEY_SEGMENT):
+            seg_end = min(start, seg_start + prefill_attention.KEY_SEGMENT)
+            keys, pes = cache.gather(layer, layout.block_tables[index], seg_end, seg_start)
+            parts.append(self._attend(q, keys, pes, start, seg_start, window, causal=False))
+        return prefill_attention.merge(parts).transpose(0, 1)
+
+    def _attend(self, q, kv, k_pe, q_start: int, k_start: int, window: int | None, causal: bool):
+        """(out, lse) of queries [H, T, *] at q_start.. over the latents kv, k_pe at k_start.."""
+        k, v = self._keys_values(kv, k_pe)
+        mask = None
+        if window is not None:
+            mask = prefill_attention.band_mask(q_start, q.shape[1], k_start, k.shape[0], window, q.device)
+        return prefill_attention.attend(
+            q, k.transpose(0, 1), v.transpose(0, 1), self.scale, causal=causal and mask is None, mask=mask
+        )
 
     def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:
         """Attention in the latent space: W_UK folded into the query, W_UV applied after."""

@@ -117,11 +117,15 @@ class PagedLatentCache:
             filled = slots[slots % self.block_size == self.block_size - 1] // self.block_size
             self.block_means[i, filled] = self._read(i, filled, torch.float32).mean(dim=1)
 
-    def _read(self, i: int, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Blocks of layer slot i as values: [len(blocks), block_size, C + P] in dtype."""
+    def _read(
+        self, i: int, blocks: torch.Tensor, dtype: torch.dtype, rows: slice = slice(None)
+    ) -> torch.Tensor:
+        """Blocks of layer slot i as values: [len(blocks), rows of block_size, C + P] in dtype."""
         if self.scales is None:
-            return self.pool[i, blocks].to(dtype)
-        return kernels.dequantize_latent(self.pool[i, blocks], self.scales[i, blocks], self.kv_rank, dtype)
+            return self.pool[i, blocks, rows].to(dtype)
+        return kernels.dequantize_latent(
+            self.pool[i, blocks, rows], self.scales[i, blocks, rows], self.kv_rank, dtype
+        )
 
     def gather(
         self, layer: int, block_row: torch.Tensor, length: int, start: int = 0
@@ -132,8 +136,16 @@ class PagedLatentCache:
         n_blocks = -(-length // self.block_size)
         skip = first_block * self.block_size
         blocks = block_row[first_block:n_blocks]
-        latent = self._read(self.slot_of_layer[layer], blocks, self.dtype).flatten(0, 1)
-        latent = latent[start - skip : length - skip]
+        if blocks.shape[0] == 1:
+            # One block holds the range (always so in a contiguous cache, whose block is the whole
+            # sequence): copy just its rows, not the block.
+            latent = self._read(
+                self.slot_of_layer[layer], blocks, self.dtype, slice(start - skip, length - skip)
+            )
+            latent = latent[0]
+        else:
+            latent = self._read(self.slot_of_layer[layer], blocks, self.dtype).flatten(0, 1)
+            latent = latent[start - skip : length - skip]
         return latent[:, : self.kv_rank], latent[:, self.kv_rank :]
 
     def decode(

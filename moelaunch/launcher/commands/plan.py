@@ -13,10 +13,12 @@ from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import (
     ACTIVATION_BUFFERS,
     GB,
+    LATENT_BUFFERS,
     MB,
     LaunchPlan,
     RankPlan,
     build_plan,
+    latent_segment,
     size_text,
 )
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, param_bytes, scale_blocks, tensor_bytes
@@ -179,8 +181,11 @@ def _memory_by_hand(plan: LaunchPlan) -> str:
         f"  KV cache: (kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim}) x {v} B x "
         f"{len(r.layers)} layers x {plan.max_model_len} tokens x {e.max_num_seqs} sequences = "
         f"{r.kv_cache_bytes:,} B = {size_text(r.kv_cache_bytes)}",
-        f"  activations: max_num_batched_tokens {e.max_num_batched_tokens} x hidden {a.hidden_size} x "
-        f"{v} B x {ACTIVATION_BUFFERS} buffers = {r.activation_bytes:,} B = {size_text(r.activation_bytes)}",
+        f"  activations: (max_num_batched_tokens {e.max_num_batched_tokens} x hidden {a.hidden_size} x "
+        f"{ACTIVATION_BUFFERS} buffers + ({LATENT_BUFFERS} x {e.max_num_batched_tokens} step tokens + 2 x "
+        f"{latent_segment(plan.max_model_len)} segment keys) x latent "
+        f"{a.kv_lora_rank + a.qk_rope_head_dim}) x {v} B = {r.activation_bytes:,} B = "
+        f"{size_text(r.activation_bytes)}",
         f"  total: {r.weight_bytes / unit:.2f} + {r.kv_cache_bytes / unit:.2f} + "
         f"{r.activation_bytes / unit:.2f} = {r.total_bytes / unit:.2f} {unit_name}; usable "
         f"{plan.device_bytes / GB:.2f} GB x {fraction} = {size_text(plan.usable_bytes)}: "

@@ -16,7 +16,10 @@ Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
   replica holds its replica's whole latent cache (the latent is shared by all heads), sized for
   engine.max_num_seqs sequences of engine.max_model_len tokens over the stage's layers. 2 bytes per value
   (4 under float32); with engine.kv_cache_dtype fp8, 1 byte per value plus two fp32 scales per token.
-- activations: engine.max_num_batched_tokens x hidden_size x 2 bytes (4 under float32) x ACTIVATION_BUFFERS.
+- activations: engine.max_num_batched_tokens x hidden_size x 2 bytes (4 under float32) x ACTIVATION_BUFFERS,
+  plus the latent-wide buffers of a prefill step: (LATENT_BUFFERS x max_num_batched_tokens + 2 x the key
+  segment, `prefill_attention.KEY_SEGMENT` or max_model_len if shorter) x (kv_lora_rank + qk_rope_head_dim)
+  x the same bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
+from moelaunch.model import prefill_attention
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.quantization import IntQuant, is_quantizable, resolve_quantization
@@ -44,6 +48,10 @@ MB = 10**6
 # Hidden-sized buffers alive at once per step token: residual, normed input, attention and MLP outputs,
 # q/kv intermediates, and the MoE dispatch/combine send and receive copies; a round, generous figure.
 ACTIVATION_BUFFERS = 16
+# Latent-wide buffers per step token in a prefill: kv_a_proj's output, the normed and rotated latent, and
+# the contiguous c_kv that kv_b_proj expands; per key of a cached segment: the gathered latents and their
+# c_kv. Negligible beside the hidden-sized ones for DeepSeek-V3 (576 vs 7168), not for narrow test models.
+LATENT_BUFFERS = 3
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,19 @@ class LaunchPlan:
 def value_bytes(dtype: str) -> int:
     """Bytes of one KV-cache value or activation: fp8 models keep both in bf16."""
     return 4 if dtype == "float32" else 2
+
+
+def latent_segment(max_model_len: int) -> int:
+    """Cached keys a prefill chunk attends to at once (see model/prefill_attention.py)."""
+    return min(prefill_attention.KEY_SEGMENT, max_model_len)
+
+
+def activation_bytes(args: ModelArgs, step_tokens: int, max_model_len: int, value: int) -> int:
+    hidden = step_tokens * args.hidden_size * ACTIVATION_BUFFERS
+    latent = (LATENT_BUFFERS * step_tokens + 2 * latent_segment(max_model_len)) * (
+        args.kv_lora_rank + args.qk_rope_head_dim
+    )
+    return (hidden + latent) * value
 
 
 def size_text(n: int) -> str:
@@ -301,7 +322,7 @@ def _rank_plan(
     kv_dtype = torch.float32 if v == 4 else torch.bfloat16
     per_token = PagedLatentCache.bytes_per_token(args, len(layers), kv_dtype, e.kv_cache_dtype == "fp8")
     kv = per_token * max_model_len * e.max_num_seqs
-    activations = e.max_num_batched_tokens * args.hidden_size * v * ACTIVATION_BUFFERS
+    activations = activation_bytes(args, e.max_num_batched_tokens, max_model_len, v)
     devices = cfg.cluster.devices_per_node
     return RankPlan(
         rank=rank,
