@@ -40,7 +40,7 @@ def test_stacked_experts_match_expert_by_expert(tokens, cpu_kernels):
     moe.stack_experts()
     assert moe.gate_up is not None and moe.down is not None
     # The experts' own weights are now views of the stacks, with unchanged values.
-    assert moe.experts["3"].down_proj.weight.data_ptr() == moe.down[3].data_ptr()
+    assert moe.experts["3"].down_proj.weight.data_ptr() == moe.down.weight[3].data_ptr()
     for name, p in moe.named_parameters():
         assert torch.equal(p, weights_before[name]), name
     # The paths sum the same fp32 products in other orders: each differs from the exact value by at most

@@ -23,16 +23,24 @@ from moelaunch.kernels.fused import mla_latent, moe_combine, rms_norm, rotate_ta
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.int_dispatch import (
     int4_dequant,
+    int4_grouped_linear,
     int4_linear,
     int4_weight_quant,
     int8_act_quant,
     int8_dequant,
+    int8_grouped_linear,
     int8_linear,
     int8_weight_quant,
+    w8a8_grouped_linear,
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
-from moelaunch.kernels.selection import prepare_cpu_kernels, use_triton, uses_grouped_linear_kernel
+from moelaunch.kernels.selection import (
+    int_linear_on_cpu,
+    prepare_cpu_kernels,
+    use_triton,
+    uses_grouped_linear_kernel,
+)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -46,12 +54,15 @@ __all__ = [
     "fp8_linear",
     "grouped_linear",
     "int4_dequant",
+    "int4_grouped_linear",
     "int4_linear",
     "int4_weight_quant",
     "int8_act_quant",
     "int8_dequant",
+    "int8_grouped_linear",
     "int8_linear",
     "int8_weight_quant",
+    "int_linear_on_cpu",
     "linear",
     "mla_latent",
     "moe_combine",
@@ -63,6 +74,7 @@ __all__ = [
     "silu_mul",
     "use_triton",
     "uses_grouped_linear_kernel",
+    "w8a8_grouped_linear",
     "w8a8_linear",
     "weight_dequant",
     "weight_quant",

@@ -16,6 +16,7 @@ from torch import nn
 from moelaunch import kernels
 from moelaunch.model.batch import BatchLayout, DecodeRows
 from moelaunch.model.config import ModelArgs
+from moelaunch.model.decode_heads import DecodeHeadWeights, per_head_linear
 from moelaunch.model.linear import Linear
 from moelaunch.model.norm import RMSNorm
 from moelaunch.model.rope import RotaryEmbedding
@@ -73,6 +74,7 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         self.kv_b_proj = shard.column(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
         self.o_proj = shard.row(heads * args.v_head_dim, args.hidden_size)
+        self._decode_heads = DecodeHeadWeights()
 
     def forward(
         self,
@@ -161,10 +163,17 @@ class MLA(nn.Module):
         """The decode rows' queries ([R, H, *]) at once, in the absorbed form over the paged latent
         cache: [R, H, v]."""
         w_uk, w_uv = self._absorbed_weights(q_nope.dtype)
-        q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
+        heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
+        if heads_kernel:
+            uk_t, uv = self._decode_heads.get(w_uk, w_uv, self.kv_b_proj.weight)
+            q_latent = per_head_linear(q_nope, uk_t)
+        else:
+            q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
         out_latent = layout.cache.decode(
             layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale
         )
+        if heads_kernel:
+            return per_head_linear(out_latent, uv)
         return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
