@@ -90,10 +90,10 @@ def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     return prepare_cpu_kernels()
 
 
-def paged_mla_decode_on_cpu(q_latent: Tensor, cache_scales: Tensor | None) -> bool:
-    """Whether paged MLA decode takes the C++ kernel: it reads fp32 and bf16 caches, not fp8 ones (those
-    come with scales)."""
-    return not use_triton(q_latent) and cache_scales is None and prepare_cpu_kernels()
+def paged_mla_decode_on_cpu(q_latent: Tensor) -> bool:
+    """Whether paged MLA decode takes the C++ kernel: it reads fp32, bf16 and fp8 caches (the last with
+    their scales)."""
+    return not use_triton(q_latent) and prepare_cpu_kernels()
 
 
 def grouped_linear_on_cpu(x: Tensor, weight: Tensor) -> bool:

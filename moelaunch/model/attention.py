@@ -130,6 +130,8 @@ class MLA(nn.Module):
             if cache is not None and (span.start_pos > 0 or cache.pool.dtype != kv.dtype):
                 first = cache.sparse.first_visible(span.start_pos)
                 keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos, first)
+                # A bf16 cache under fp32 compute (the CPU's bf16): its rounded values, in fp32.
+                keys, pes = keys.to(kv.dtype), pes.to(kv.dtype)
             window = cache.sparse.window if cache is not None else None
             mask = causal_mask(span.length, keys.shape[0], x.device, window) if span.length > 1 else None
             absorbed = impl == "absorbed" or (impl == "auto" and span.length == 1)
@@ -162,8 +164,12 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """The decode rows' queries ([R, H, *]) at once, in the absorbed form over the paged latent
         cache: [R, H, v]."""
-        w_uk, w_uv = self._absorbed_weights(q_nope.dtype)
+        # The kernel reads float weights in their own dtype (bf16 under fp32 rows): no copy per step.
+        held = self.kv_b_proj.weight
+        w_uk, w_uv = self._absorbed_weights(held.dtype if self.kv_b_proj.is_plain() else q_nope.dtype)
         heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
+        if not heads_kernel and w_uk.dtype != q_nope.dtype:
+            w_uk, w_uv = w_uk.to(q_nope.dtype), w_uv.to(q_nope.dtype)
         if heads_kernel:
             uk_t, uv = self._decode_heads.get(w_uk, w_uv, self.kv_b_proj.weight)
             q_latent = per_head_linear(q_nope, uk_t)

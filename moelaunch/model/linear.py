@@ -65,13 +65,17 @@ class Linear(nn.Module):
             return kernels.w8a8_linear(x, self.weight, self.weight_scale)
         return kernels.int8_linear(x, self.weight, self.weight_scale)
 
+    def is_plain(self) -> bool:
+        """Whether the weight is a plain float matrix (not block-FP8, not integer)."""
+        return self.quant is None and self.weight.dtype != torch.float8_e4m3fn
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a plain matrix in `dtype` (for the absorbed MLA form, which folds it).
 
         A quantized weight is dequantized once and kept (for as long as its storage is the same): the
         absorbed form asks for kv_b_proj on every decode step, and dequantizing it each time cost more
         than the rest of the layer (INT4 at batch 1)."""
-        if self.quant is None and self.weight.dtype != torch.float8_e4m3fn:
+        if self.is_plain():
             return self.weight.to(dtype)
         key = (dtype, self.weight.data_ptr())
         if self._dense is None or self._dense[:2] != key:

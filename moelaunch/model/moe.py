@@ -112,6 +112,8 @@ class MoE(nn.Module):
         padded = x_sorted.new_zeros(n_local * width, x_sorted.shape[1])
         padded[slot] = x_sorted
         gate_up_w, down_w = self.gate_up.weight, self.down.weight
-        gate_up = torch.bmm(padded.view(n_local, width, -1), gate_up_w.transpose(1, 2)).flatten(0, 1)
+        # In the weights' dtype (bf16 weights under fp32 activations on the CPU: a bf16 batched GEMM).
+        padded = padded.to(gate_up_w.dtype).view(n_local, width, -1)
+        gate_up = torch.bmm(padded, gate_up_w.transpose(1, 2)).flatten(0, 1)
         act = kernels.silu_mul(*gate_up.chunk(2, dim=-1)).view(n_local, width, -1)
-        return torch.bmm(act, down_w.transpose(1, 2)).view(n_local * width, -1)[slot]
+        return torch.bmm(act, down_w.transpose(1, 2)).view(n_local * width, -1)[slot].to(x_sorted.dtype)

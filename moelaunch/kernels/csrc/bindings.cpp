@@ -4,6 +4,9 @@
 torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                    torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                    c10::optional<torch::Tensor> starts);
+torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
+                                       torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
+                                       double scale, c10::optional<torch::Tensor> starts);
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets);
 torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
@@ -24,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU",
         py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("starts") = py::none());
+  m.def("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu, "paged MLA decode over an fp8 cache",
+        py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("cache_scales"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none());
   m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows");
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm of fp32 rows");
   m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
