@@ -1,6 +1,7 @@
 """Block-scaled FP8, INT8/INT4 weight, paged MLA decode and few-row linear kernels: Triton on CUDA;
-on the CPU C++ kernels for paged MLA decode, few-row linears and the fused per-token steps
-(`kernels/fused.py`), torch references for the rest.
+on the CPU C++ kernels for paged MLA decode (fp32, bf16 and fp8 caches), few-row linears, integer-weight
+linears (`int_linear_cpu`) and the fused per-token steps (`kernels/fused.py`), torch references for
+the rest.
 
 `selection` says which implementation runs a call, from its tensors' device, dtype and layout; the entry
 points (`dispatch`, `int_dispatch`, `fused`) ask it on every call.

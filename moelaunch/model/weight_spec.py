@@ -11,8 +11,9 @@ import torch
 
 from moelaunch.model.quantization import check_quantization
 
-# auto: bfloat16 on GPUs, where block-FP8 checkpoints keep their FP8 projections; float32 on the CPU
-# (bf16 matmuls are slow there). bfloat16 | float32: every weight in that dtype, FP8 dequantized at load.
+# auto: bfloat16 on GPUs, where block-FP8 checkpoints keep their FP8 projections; float32 on the CPU.
+# bfloat16 | float32: every weight in that dtype, FP8 dequantized at load (bfloat16 on the CPU: the
+# projections, embedding and cache; norms, router and activations stay fp32, see compute_dtype).
 # fp8: block-FP8 projections kept as stored and run by the W8A8 kernels, the rest as under auto.
 WeightDtype = Literal["auto", "bfloat16", "float32", "fp8"]
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
