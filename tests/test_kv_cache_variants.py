@@ -165,10 +165,7 @@ def decode(request):
         assert kernels.prepare_cpu_kernels(), "the C++ kernels must build here (g++ and ninja are installed)"
 
         def cpu(q, q_pe, cache, table, seq_lens, scale, cache_scales=None, starts=None):
-            if cache_scales is None:
-                return mla_cpu.paged_mla_decode_cpu(q, q_pe, cache, table, seq_lens, scale, starts)
-            # The C++ kernel reads fp32 and bf16 caches: on the CPU the dispatcher takes fp8 to the reference.
-            return kernels.paged_mla_decode(q, q_pe, cache, table, seq_lens, scale, cache_scales, starts)
+            return mla_cpu.paged_mla_decode_cpu(q, q_pe, cache, table, seq_lens, scale, starts, cache_scales)
 
         return cpu
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -197,6 +194,25 @@ def test_fp8_cache_decode_against_the_dequantized_and_the_unquantized_cache(deco
     error = (out - full).abs().max().item()
     print(f"fp8 cache decode: max |error| vs the unquantized cache {error:.4f}")
     assert error < 0.15
+
+
+def test_cpu_kernel_reads_every_fp8_code_exactly():
+    """One cached token per row: attention returns its c_kv part as the kernel dequantized it (weight
+    exactly 1), so every e4m3 code (subnormals, both zeros, the largest) must come out as torch reads it,
+    times the token's scale. NaN codes are left out: a cache never holds them."""
+    assert kernels.prepare_cpu_kernels()
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # 254 codes
+    c_dim, p_dim = codes.numel(), 8
+    values = torch.zeros(2, 1, c_dim + p_dim, dtype=torch.uint8)
+    values[:, 0, :c_dim] = codes
+    values = values.view(torch.float8_e4m3fn)
+    scales = torch.tensor([[[1.0, 1.0]], [[0.375, 2.0]]])
+    table, seq_lens = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1])
+    q, q_pe = torch.randn(2, 3, c_dim), torch.randn(2, 3, p_dim)
+    out = mla_cpu.paged_mla_decode_cpu(q, q_pe, values, table, seq_lens, 0.1, None, scales)
+    expected = values[:, 0, :c_dim].float() * scales[:, 0, :1]
+    assert torch.equal(out, expected[:, None].expand(2, 3, c_dim))
 
 
 @pytest.mark.parametrize("fp8", [False, True])

@@ -40,7 +40,7 @@ def test_stacked_experts_match_expert_by_expert(tokens, cpu_kernels):
     moe.stack_experts()
     assert moe.gate_up is not None and moe.down is not None
     # The experts' own weights are now views of the stacks, with unchanged values.
-    assert moe.experts["3"].down_proj.weight.data_ptr() == moe.down[3].data_ptr()
+    assert moe.experts["3"].down_proj.weight.data_ptr() == moe.down.weight[3].data_ptr()
     for name, p in moe.named_parameters():
         assert torch.equal(p, weights_before[name]), name
     # The paths sum the same fp32 products in other orders: each differs from the exact value by at most
@@ -76,3 +76,31 @@ def test_fp8_experts_are_left_unstacked():
         )
     moe.stack_experts()
     assert moe.gate_up is None
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("tokens", [1, 8, 4 * STACKED_MAX_ROWS])
+def test_integer_experts_stack_and_match_expert_by_expert(method, tokens, cpu_kernels):
+    """Integer experts stack too (their scales and zero points alike) and run through the grouped integer
+    kernels for any number of rows; without the kernels, expert by expert through the references."""
+    from moelaunch.model.quantization import IntQuant, quantize_weight
+
+    moe = _random_moe(seed=tokens + len(method))
+    quant = IntQuant(method, group_size=16)  # the tiny experts' K = 64: four int4 groups
+    for mlp in moe.experts.values():
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            lin.set_quantized(quantize_weight(lin.weight, quant), quant)
+    x = torch.randn(tokens, moe.gate.weight.shape[1])
+    expected = moe(x)
+    moe.stack_experts()
+    assert moe.gate_up is not None and moe.gate_up.quant == quant
+    assert (
+        moe.experts["2"].up_proj.weight_scale.data_ptr()
+        == moe.gate_up.scale[2, moe.gate_up.weight.shape[1] // 2 :].data_ptr()
+    )
+    calls = []
+    original = moe.run_grouped_kernel
+    moe.run_grouped_kernel = lambda *a: calls.append(1) or original(*a)
+    got = moe(x)
+    assert bool(calls) == cpu_kernels
+    torch.testing.assert_close(got, expected, rtol=0 if method == "w8a8" else 1e-5, atol=1e-5)

@@ -129,7 +129,7 @@ class LLMEngine:
         fp8 = cfg.kv_cache_dtype == "fp8"
         sparse = cfg.attention.sparse()
         per_block = PagedLatentCache.bytes_per_block(
-            model.args, len(model.layer_ids()), cfg.block_size, model.compute_dtype(), fp8, sparse
+            model.args, len(model.layer_ids()), cfg.block_size, model.weight_dtype(), fp8, sparse
         )
         budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
         # More blocks than every sequence at full length could use are never touched.

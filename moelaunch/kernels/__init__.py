@@ -1,6 +1,7 @@
 """Block-scaled FP8, INT8/INT4 weight, paged MLA decode and few-row linear kernels: Triton on CUDA;
-on the CPU C++ kernels for paged MLA decode, few-row linears and the fused per-token steps
-(`kernels/fused.py`), torch references for the rest.
+on the CPU C++ kernels for paged MLA decode (fp32, bf16 and fp8 caches), few-row linears, integer-weight
+linears (`int_linear_cpu`) and the fused per-token steps (`kernels/fused.py`), torch references for
+the rest.
 
 `selection` says which implementation runs a call, from its tensors' device, dtype and layout; the entry
 points (`dispatch`, `int_dispatch`, `fused`) ask it on every call.
@@ -23,16 +24,24 @@ from moelaunch.kernels.fused import mla_latent, moe_combine, rms_norm, rotate_ta
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.int_dispatch import (
     int4_dequant,
+    int4_grouped_linear,
     int4_linear,
     int4_weight_quant,
     int8_act_quant,
     int8_dequant,
+    int8_grouped_linear,
     int8_linear,
     int8_weight_quant,
+    w8a8_grouped_linear,
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
-from moelaunch.kernels.selection import prepare_cpu_kernels, use_triton, uses_grouped_linear_kernel
+from moelaunch.kernels.selection import (
+    int_linear_on_cpu,
+    prepare_cpu_kernels,
+    use_triton,
+    uses_grouped_linear_kernel,
+)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -46,12 +55,15 @@ __all__ = [
     "fp8_linear",
     "grouped_linear",
     "int4_dequant",
+    "int4_grouped_linear",
     "int4_linear",
     "int4_weight_quant",
     "int8_act_quant",
     "int8_dequant",
+    "int8_grouped_linear",
     "int8_linear",
     "int8_weight_quant",
+    "int_linear_on_cpu",
     "linear",
     "mla_latent",
     "moe_combine",
@@ -63,6 +75,7 @@ __all__ = [
     "silu_mul",
     "use_triton",
     "uses_grouped_linear_kernel",
+    "w8a8_grouped_linear",
     "w8a8_linear",
     "weight_dequant",
     "weight_quant",

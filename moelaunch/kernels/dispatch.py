@@ -96,8 +96,8 @@ def paged_mla_decode(
     args = (q_latent, q_pe, cache, block_table, seq_lens, scale)
     if use_triton(q_latent):
         return _mla_triton().paged_mla_decode_triton(*args, cache_scales, starts)
-    if paged_mla_decode_on_cpu(q_latent, cache_scales):
-        return mla_cpu.paged_mla_decode_cpu(*args, starts)
+    if paged_mla_decode_on_cpu(q_latent):
+        return mla_cpu.paged_mla_decode_cpu(*args, starts, cache_scales)
     return mla_ref.paged_mla_decode_ref(*args, cache_scales, starts)
 
 
@@ -115,9 +115,12 @@ def _one_group(rows: int) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T for a plain float weight: the CPU kernel for few rows, F.linear otherwise."""
+    """x @ weight.T for a plain float weight: the CPU kernel for few rows, F.linear otherwise (a bf16
+    weight under fp32 rows: a bf16 GEMM, which oneDNN runs on AMX where the CPU has it)."""
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
+        if x.dtype != weight.dtype:
+            return F.linear(x.to(weight.dtype), weight).to(x.dtype)
         return F.linear(x, weight)
     out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
     return out.view(*x.shape[:-1], weight.shape[0])

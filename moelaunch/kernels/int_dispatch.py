@@ -1,9 +1,13 @@
-"""The INT8 / INT4 weight entry points: Triton or the torch reference, as `selection.use_triton` says;
-quantizing and dequantizing weights (conversion, load) always take the references.
+"""The INT8 / INT4 weight entry points: Triton, the C++ CPU kernels or the torch reference, as `selection`
+says; quantizing and dequantizing weights (conversion, load) always take the references.
+
+The grouped forms run rows grouped by `offsets` against stacked weights [G, N, ...] (the routed experts).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -11,8 +15,11 @@ from torch import Tensor
 
 from moelaunch.kernels import int4_reference as int4_ref
 from moelaunch.kernels import int8_reference as int8_ref
+from moelaunch.kernels import int_linear_cpu as int_cpu
+from moelaunch.kernels.dispatch import _one_group
+from moelaunch.kernels.grouped_linear_reference import per_group
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
-from moelaunch.kernels.selection import use_triton
+from moelaunch.kernels.selection import int_linear_on_cpu, use_triton
 
 
 def _int8_triton() -> ModuleType:
@@ -37,10 +44,27 @@ def int8_dequant(q: Tensor, s: Tensor, out_dtype: torch.dtype | None = None) -> 
     return int8_ref.int8_dequant_ref(q, s, out_dtype)
 
 
+def _as_one_group(kernel: Callable[..., Tensor], x: Tensor, *stacks: Tensor) -> Tensor:
+    """A grouped CPU kernel on x [..., K] and one weight's tensors: [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = kernel(rows, *(s.unsqueeze(0) for s in stacks), _one_group(rows.shape[0]))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     """Weight-only INT8: x @ (q * s[:, None]).T, in x's dtype."""
-    fn = _int8_triton().int8_linear_triton if use_triton(x) else int8_ref.int8_linear_ref
-    return fn(x, q, s)
+    if use_triton(x):
+        return _int8_triton().int8_linear_triton(x, q, s)
+    if int_linear_on_cpu(x):
+        return _as_one_group(int_cpu.int8_linear_cpu, x, q, s)
+    return int8_ref.int8_linear_ref(x, q, s)
+
+
+def int8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor) -> Tensor:
+    """int8_linear per group: x [T, K], q [G, N, K], s [G, N] -> [T, N]."""
+    if int_linear_on_cpu(x):
+        return int_cpu.int8_linear_cpu(x, q, s, offsets)
+    return per_group(int8_linear, x, offsets, q, s)
 
 
 def int8_act_quant(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -51,8 +75,18 @@ def int8_act_quant(x: Tensor) -> tuple[Tensor, Tensor]:
 
 def w8a8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     """W8A8: x quantized per token, int8 GEMM with int32 accumulation, then token and channel scales."""
-    fn = _int8_triton().w8a8_linear_triton if use_triton(x) else int8_ref.w8a8_linear_ref
-    return fn(x, q, s)
+    if use_triton(x):
+        return _int8_triton().w8a8_linear_triton(x, q, s)
+    if int_linear_on_cpu(x):
+        return _as_one_group(int_cpu.w8a8_linear_cpu, x, q, s)
+    return int8_ref.w8a8_linear_ref(x, q, s)
+
+
+def w8a8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor) -> Tensor:
+    """w8a8_linear per group: x [T, K], q [G, N, K], s [G, N] -> [T, N]."""
+    if int_linear_on_cpu(x):
+        return int_cpu.w8a8_linear_cpu(x, q, s, offsets)
+    return per_group(w8a8_linear, x, offsets, q, s)
 
 
 def int4_weight_quant(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[Tensor, Tensor, Tensor]:
@@ -68,5 +102,19 @@ def int4_dequant(
 
 def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> Tensor:
     """Weight-only INT4, group-wise: x @ dequant(W).T, the weight unpacked inside the kernel on CUDA."""
-    fn = _int4_triton().int4_linear_triton if use_triton(x) else int4_ref.int4_linear_ref
-    return fn(x, packed, scale, zero, group_size)
+    if use_triton(x):
+        return _int4_triton().int4_linear_triton(x, packed, scale, zero, group_size)
+    if int_linear_on_cpu(x):
+        kernel = functools.partial(int_cpu.int4_linear_cpu, group_size=group_size)
+        return _as_one_group(kernel, x, packed, scale, zero)
+    return int4_ref.int4_linear_ref(x, packed, scale, zero, group_size)
+
+
+def int4_grouped_linear(
+    x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, offsets: Tensor, group_size: int
+) -> Tensor:
+    """int4_linear per group: x [T, K], packed [G, N, K/2], scale / zero [G, N, groups] -> [T, N]."""
+    if int_linear_on_cpu(x):
+        return int_cpu.int4_linear_cpu(x, packed, scale, zero, offsets, group_size)
+    linear = functools.partial(int4_linear, group_size=group_size)
+    return per_group(linear, x, offsets, packed, scale, zero)

@@ -2,7 +2,7 @@
 
 The torch reference pads every row's cache into one dense tensor and reads it several times; at batch
 64 that copy is most of a decode step. The kernel reads each cached token once, from its block, with
-an online softmax.
+an online softmax; an fp8 cache's block is dequantized in the kernel (1 byte per value read).
 """
 
 from __future__ import annotations
@@ -22,16 +22,22 @@ def paged_mla_decode_cpu(
     seq_lens: Tensor,
     scale: float,
     starts: Tensor | None = None,
+    cache_scales: Tensor | None = None,
 ) -> Tensor:
-    """Same contract as `mla_decode_reference.paged_mla_decode_ref` for fp32 and bf16 caches (fp8 ones
-    take the reference); needs the CPU kernels built."""
-    out = cpu_extension.require().paged_mla_decode_cpu(
+    """Same contract as `mla_decode_reference.paged_mla_decode_ref` for fp32, bf16 and fp8 caches (an fp8
+    cache comes with its scales and is dequantized in the kernel, a block at a time); needs the CPU
+    kernels built."""
+    ext = cpu_extension.require()
+    queries = (
         cast_if_needed(q_latent, torch.float32).contiguous(),
         cast_if_needed(q_pe, torch.float32).contiguous(),
-        cache.contiguous(),
-        block_table.contiguous(),
-        cast_if_needed(seq_lens, torch.int64).contiguous(),
-        float(scale),
-        cast_if_needed(starts, torch.int64).contiguous() if starts is not None else None,
     )
+    rows = (block_table.contiguous(), cast_if_needed(seq_lens, torch.int64).contiguous(), float(scale))
+    first = cast_if_needed(starts, torch.int64).contiguous() if starts is not None else None
+    if cache_scales is None:
+        out = ext.paged_mla_decode_cpu(*queries, cache.contiguous(), *rows, first)
+    else:
+        out = ext.paged_mla_decode_fp8_cpu(
+            *queries, cache.contiguous(), cache_scales.contiguous(), *rows, first
+        )
     return cast_if_needed(out, q_latent.dtype)

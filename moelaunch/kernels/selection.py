@@ -5,6 +5,8 @@
 - The C++ CPU kernels (csrc/, compiled for this machine's instruction set by `cpu_extension`): paged MLA
   decode, few-row linear layers and the fused per-token steps, on fp32 CPU tensors outside autograd whose
   layout the kernel reads (their rows contiguous). Off with MOELAUNCH_CPU_KERNELS=0 or without a compiler.
+  Integer-weight linears (INT8, INT4, W8A8) take them for any number of rows, on the best instruction-set
+  path the CPU has (AVX-512 + VNNI, AVX2, scalar), or a slower one forced by MOELAUNCH_CPU_ISA.
 - The torch references (or F.linear): every other call, and weight quantization everywhere (done once, at
   conversion or load, never on the hot path).
 
@@ -13,6 +15,7 @@ The entry points in `dispatch`, `int_dispatch` and `fused` ask these functions a
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -24,6 +27,8 @@ from moelaunch.kernels.triton_interpreter import interpreting
 # Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
 # it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
 LINEAR_KERNEL_MAX_ROWS = 32
+# The integer kernels' instruction-set paths (csrc/int_isa.h), in the order of their numbers.
+CPU_ISA_PATHS = ("scalar", "avx2", "avx512")
 
 
 def use_triton(t: Tensor) -> bool:
@@ -37,6 +42,35 @@ def prepare_cpu_kernels() -> bool:
     """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
     decode step does not stall while peers wait in a collective. True when they are usable."""
     return cpu_extension.module() is not None
+
+
+def int_linear_on_cpu(x: Tensor) -> bool:
+    """Whether the integer-weight kernels take x @ W^T: x on the CPU in fp32 or bf16 (computed in fp32),
+    outside autograd, any number of rows (the torch path dequantizes the whole weight on every call)."""
+    if use_triton(x) or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    return not (x.requires_grad and torch.is_grad_enabled()) and prepare_cpu_kernels()
+
+
+@functools.cache
+def int_kernel_path() -> int:
+    """The integer kernels' path: the fastest this machine's build has, unless MOELAUNCH_CPU_ISA names a
+    slower one (scalar | avx2 | avx512), so that a machine can run and test its fallbacks.
+
+    Decided once per process (it is asked on every projection); after changing MOELAUNCH_CPU_ISA, call
+    int_kernel_path.cache_clear()."""
+    best = cpu_extension.require().int_kernel_best_path()
+    forced = os.environ.get("MOELAUNCH_CPU_ISA")
+    if forced is None:
+        return best
+    if forced not in CPU_ISA_PATHS:
+        raise ValueError(f"MOELAUNCH_CPU_ISA={forced!r} must be one of {', '.join(CPU_ISA_PATHS)}")
+    if CPU_ISA_PATHS.index(forced) > best:
+        raise ValueError(
+            f"MOELAUNCH_CPU_ISA={forced}: this CPU (or compiler) has no {forced} path; the best here is "
+            f"{CPU_ISA_PATHS[best]}"
+        )
+    return CPU_ISA_PATHS.index(forced)
 
 
 def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
@@ -56,14 +90,18 @@ def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     return prepare_cpu_kernels()
 
 
-def paged_mla_decode_on_cpu(q_latent: Tensor, cache_scales: Tensor | None) -> bool:
-    """Whether paged MLA decode takes the C++ kernel: it reads fp32 and bf16 caches, not fp8 ones (those
-    come with scales)."""
-    return not use_triton(q_latent) and cache_scales is None and prepare_cpu_kernels()
+def paged_mla_decode_on_cpu(q_latent: Tensor) -> bool:
+    """Whether paged MLA decode takes the C++ kernel: it reads fp32, bf16 and fp8 caches (the last with
+    their scales)."""
+    return not use_triton(q_latent) and prepare_cpu_kernels()
 
 
 def grouped_linear_on_cpu(x: Tensor, weight: Tensor) -> bool:
-    """Whether the grouped-linear kernel takes x @ weight.T for any number of rows."""
+    """Whether the grouped-linear kernel takes x @ weight.T for any number of rows. bf16 rows are taken
+    too, widened to fp32 on the way in (few rows: cheap) and rounded once on the way out: at decode sizes
+    oneDNN's bf16 GEMM cost several times the kernel's read of the bf16 weight."""
+    if x.dtype == torch.bfloat16 and not x.is_cuda and not (x.requires_grad and torch.is_grad_enabled()):
+        return _cpu_kernel_takes(weight=weight)
     return _cpu_kernel_takes(x, weight=weight)
 
 

@@ -17,6 +17,7 @@ from moelaunch import kernels
 from moelaunch.model import prefill_attention
 from moelaunch.model.batch import BatchLayout, DecodeRows
 from moelaunch.model.config import ModelArgs
+from moelaunch.model.decode_heads import DecodeHeadWeights, per_head_linear
 from moelaunch.model.linear import Linear
 from moelaunch.model.norm import RMSNorm
 from moelaunch.model.rope import RotaryEmbedding
@@ -70,6 +71,7 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(args.kv_lora_rank, args.rms_norm_eps)
         self.kv_b_proj = shard.column(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
         self.o_proj = shard.row(heads * args.v_head_dim, args.hidden_size)
+        self._decode_heads = DecodeHeadWeights()
 
     def forward(
         self,
@@ -128,6 +130,8 @@ class MLA(nn.Module):
             if cache is not None and (span.start_pos > 0 or cache.pool.dtype != kv.dtype):
                 first = cache.sparse.first_visible(span.start_pos)
                 keys, pes = cache.gather(layer, layout.block_tables[i], span.end_pos, first)
+                # A bf16 cache under fp32 compute (the CPU's bf16): its rounded values, in fp32.
+                keys, pes = keys.to(kv.dtype), pes.to(kv.dtype)
             window = cache.sparse.window if cache is not None else None
             mask = causal_mask(span.length, keys.shape[0], x.device, window) if span.length > 1 else None
             if impl != "naive":
@@ -163,11 +167,22 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """The decode rows' queries ([R, H, *]) at once, in the absorbed form over the paged latent
         cache: [R, H, v]."""
-        w_uk, w_uv = self._absorbed_weights(q_nope.dtype)
-        q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
+        # The kernel reads float weights in their own dtype (bf16 under fp32 rows): no copy per step.
+        held = self.kv_b_proj.weight
+        w_uk, w_uv = self._absorbed_weights(held.dtype if self.kv_b_proj.is_plain() else q_nope.dtype)
+        heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
+        if not heads_kernel and w_uk.dtype != q_nope.dtype:
+            w_uk, w_uv = w_uk.to(q_nope.dtype), w_uv.to(q_nope.dtype)
+        if heads_kernel:
+            uk_t, uv = self._decode_heads.get(w_uk, w_uv, self.kv_b_proj.weight)
+            q_latent = per_head_linear(q_nope, uk_t)
+        else:
+            q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
         out_latent = layout.cache.decode(
             layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale
         )
+        if heads_kernel:
+            return per_head_linear(out_latent, uv)
         return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

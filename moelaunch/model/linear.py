@@ -40,6 +40,8 @@ class Linear(nn.Module):
         self.register_buffer("weight_scale", None)  # int8: per channel; int4: per group
         self.register_buffer("weight_zero_point", None)  # int4
         self.quant: IntQuant | None = None
+        # dense_weight's last result for a quantized weight: (dtype, weight storage, dense matrix).
+        self._dense: tuple[torch.dtype, int, torch.Tensor] | None = None
 
     def set_quantized(self, tensors: dict[str, torch.Tensor], quant: IntQuant) -> None:
         """Hold a projection's integer tensors (the keys of `quantization.quantize_weight`)."""
@@ -63,12 +65,27 @@ class Linear(nn.Module):
             return kernels.w8a8_linear(x, self.weight, self.weight_scale)
         return kernels.int8_linear(x, self.weight, self.weight_scale)
 
+    def is_plain(self) -> bool:
+        """Whether the weight is a plain float matrix (not block-FP8, not integer)."""
+        return self.quant is None and self.weight.dtype != torch.float8_e4m3fn
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as a plain matrix in `dtype` (for the absorbed MLA form, which folds it)."""
+        """The weight as a plain matrix in `dtype` (for the absorbed MLA form, which folds it).
+
+        A quantized weight is dequantized once and kept (for as long as its storage is the same): the
+        absorbed form asks for kv_b_proj on every decode step, and dequantizing it each time cost more
+        than the rest of the layer (INT4 at batch 1)."""
+        if self.is_plain():
+            return self.weight.to(dtype)
+        key = (dtype, self.weight.data_ptr())
+        if self._dense is None or self._dense[:2] != key:
+            self._dense = (*key, self._dequantized(dtype))
+        return self._dense[2]
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight.dtype == torch.float8_e4m3fn:
             return kernels.weight_dequant(self.weight, self.weight_scale_inv, out_dtype=dtype)
-        if self.quant is None:
-            return self.weight.to(dtype)
+        assert self.quant is not None
         if self.quant.method == "int4":
             return kernels.int4_dequant(
                 self.weight, self.weight_scale, self.weight_zero_point, self.quant.group_size, dtype

@@ -10,6 +10,7 @@ load from a plain or block-FP8 checkpoint when `quantization=` asks for it.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,8 +73,8 @@ def load_model(
         log.info("%s: no MTP weights loaded; speculative decoding with MTP is off", path)
     with torch.device("meta"):
         model = Transformer(args, with_mtp, shard)
-    dtype, keep_fp8 = spec.compute_dtype(device), spec.keeps_fp8(device)
-    used = _fill_from_checkpoint(model, reader, dtype, device, keep_fp8, quant)
+    dtypes = _Dtypes(spec.compute_dtype(device), spec.weight_dtype(device))
+    used = _fill_from_checkpoint(model, reader, dtypes, device, spec.keeps_fp8(device), quant)
     if shard.whole:
         _check_all_used(args, reader, used, skip_mtp=mtp_in_checkpoint and not with_mtp)
     model.rope = RotaryEmbedding(args).to(device)
@@ -81,10 +82,22 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
+@dataclass(frozen=True)
+class _Dtypes:
+    """weights: the projections' (Linear) and the embedding's weights; compute: the rest (norms, router)."""
+
+    compute: torch.dtype
+    weights: torch.dtype
+
+    def of(self, module_name: str, module: nn.Module, attr: str) -> torch.dtype:
+        held = isinstance(module, Linear) or module_name.endswith("embed_tokens")
+        return self.weights if attr == "weight" and held else self.compute
+
+
 def _fill_from_checkpoint(
     model: Transformer,
     reader: CheckpointReader,
-    dtype: torch.dtype,
+    dtypes: _Dtypes,
     device: torch.device,
     keep_fp8: bool,
     quant: IntQuant | None,
@@ -100,6 +113,7 @@ def _fill_from_checkpoint(
             if name == "lm_head.weight" and name not in reader and args.tie_word_embeddings:
                 name = "model.embed_tokens.weight"
             spec = weight_shard(module, attr)
+            dtype = dtypes.of(module_name, module, attr)
             if quant is not None and attr == "weight" and isinstance(module, Linear):
                 loaded = _load_int_linear(module, reader, name, tuple(current.shape), spec, quant, device)
                 if loaded is not None:

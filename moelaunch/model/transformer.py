@@ -101,7 +101,9 @@ class Transformer(nn.Module):
 
     # -- pieces on flat batches ([N] tokens laid out by a BatchLayout); pipeline stages call them --
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(ids)
+        x = self.model.embed_tokens(ids)
+        dtype = self.compute_dtype()  # bf16 rows of a CPU model that computes in fp32
+        return x if x.dtype == dtype else x.to(dtype)
 
     def run_layers(self, x: torch.Tensor, layout: BatchLayout) -> torch.Tensor:
         """Every decoder layer this module holds, in order, over x [N, dim]."""
@@ -140,6 +142,13 @@ class Transformer(nn.Module):
         # Norm weights are never quantized: their dtype is the compute dtype.
         return next(iter(self.model.layers.values())).input_layernorm.weight.dtype
 
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype float projections are held in (bf16 on a CPU that computes in fp32 from them), which
+        the KV cache takes too; the compute dtype when they are quantized."""
+        weight = next(iter(self.model.layers.values())).self_attn.kv_a_proj_with_mqa.weight
+        plain = weight.is_floating_point() and weight.element_size() >= 2
+        return weight.dtype if plain else self.compute_dtype()
+
     def new_paged_cache(
         self,
         num_blocks: int,
@@ -151,7 +160,7 @@ class Transformer(nn.Module):
         """A paged cache for this module's layers; fp8 stores e4m3 values with per-token scales, sparse
         limits what queries attend to (see `PagedLatentCache`)."""
         device = next(iter(self.model.layers.values())).input_layernorm.weight.device
-        dtype = dtype or self.compute_dtype()
+        dtype = dtype or self.weight_dtype()
         return PagedLatentCache(
             self.args, num_blocks, block_size, self.layer_ids(), dtype, device, fp8, sparse, self.heads_max
         )

@@ -4,6 +4,9 @@
 torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                    torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                    c10::optional<torch::Tensor> starts);
+torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
+                                       torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
+                                       double scale, c10::optional<torch::Tensor> starts);
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets);
 torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
@@ -12,11 +15,21 @@ torch::Tensor rotate_tail_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor 
 torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
 torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor weights,
                               c10::optional<torch::Tensor> base);
+torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
+                              int64_t path);
+torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
+                              torch::Tensor offsets, int64_t group_size, int64_t path);
+torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
+                              int64_t path);
+int64_t int_kernel_best_path();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU",
         py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("starts") = py::none());
+  m.def("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu, "paged MLA decode over an fp8 cache",
+        py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("cache_scales"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none());
   m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows");
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm of fp32 rows");
   m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
@@ -24,4 +37,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_cpu", &silu_mul_cpu, "silu(gate) * up");
   m.def("moe_combine_cpu", &moe_combine_cpu, "base + the routing-weighted sum of each token's expert outputs",
         py::arg("y"), py::arg("slot"), py::arg("weights"), py::arg("base") = py::none());
+  // Integer weights (int_linear_cpu.cpp); `path`: 0 scalar, 1 AVX2, 2 AVX-512, -1 the best built.
+  m.def("int8_linear_cpu", &int8_linear_cpu, "x @ (q * scale)^T per group of rows, int8 weights");
+  m.def("int4_linear_cpu", &int4_linear_cpu, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");
+  m.def("w8a8_linear_cpu", &w8a8_linear_cpu, "int8 x (quantized per row) @ int8 q^T, both scales");
+  m.def("int_kernel_best_path", &int_kernel_best_path, "the fastest integer-kernel path this build has");
 }

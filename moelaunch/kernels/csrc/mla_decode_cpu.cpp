@@ -16,8 +16,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 #include "prefetch.h"
 #include "simd.h"
@@ -129,10 +135,63 @@ class Scratch {
   std::vector<vec8> vectors_;
 };
 
+// An fp8 (e4m3fn) cache: bytes, dequantized a block at a time into fp32 scratch (below).
+struct Fp8Cache {
+  uint8_t bits;
+};
+
+// e4m3fn -> fp32 without a table: a normal number moves its exponent and mantissa bits into place and
+// re-biases (7 -> 127), a subnormal (exponent 0) is its mantissa times 2^-9. NaN (0x7f) reads as 480:
+// a cache never holds NaN, its values are quantized from finite latents.
+inline float fp8_e4m3_to_float(uint8_t b) {
+  const uint32_t magnitude = b & 0x7fu;
+  const uint32_t normal_bits = (magnitude << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  const float value = magnitude >= 8 ? normal : static_cast<float>(magnitude) * 0x1p-9f;
+  return b & 0x80 ? -value : value;
+}
+
+#ifdef __AVX2__
+// Eight codes at once, the same arithmetic: a scalar loop (its select and sign branch) cost 20 times
+// this, and more than the attention over the block.
+inline __m256 fp8_e4m3x8_to_float(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f));
+  const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(7)));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24));
+  return _mm256_or_ps(_mm256_blendv_ps(subnormal, normal, is_normal), sign);
+}
+#endif
+
+// n fp8 tokens of `width` values -> fp32, the first c_dim values of token t times scales[2t] and the
+// rest times scales[2t + 1] (see kernels/kv_fp8.py).
+void dequantize_fp8_tokens(const Fp8Cache* tokens, const float* scales, int64_t n, int64_t width, int64_t c_dim,
+                           float* out) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(tokens);
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* in = bytes + t * width;
+    float* row = out + t * width;
+    int64_t i = 0;
+    for (int part = 0; part < 2; ++part) {
+      const int64_t end = part == 0 ? c_dim : width;
+      const float s = scales[2 * t + part];
+#ifdef __AVX2__
+      for (; i + 8 <= end; i += 8) _mm256_storeu_ps(row + i, _mm256_mul_ps(fp8_e4m3x8_to_float(in + i), _mm256_set1_ps(s)));
+#endif
+      for (; i < end; ++i) row[i] = fp8_e4m3_to_float(in[i]) * s;
+    }
+  }
+}
+
 template <typename cache_t, typename index_t>
 void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache, const index_t* block_table,
                  const int64_t* seq_lens, const int64_t* starts, float* out, int64_t rows, int64_t heads,
-                 int64_t c_dim, int64_t p_dim, int64_t block_size, int64_t max_blocks, float scale) {
+                 int64_t c_dim, int64_t p_dim, int64_t block_size, int64_t max_blocks, float scale,
+                 const float* cache_scales) {
   const int64_t width = c_dim + p_dim;
   const int64_t head_groups = (heads + kHeadsPerTask - 1) / kHeadsPerTask;
   // Where row r's walk begins: the block holding its first token (0 without starts).
@@ -140,6 +199,8 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
   at::parallel_for(0, rows * head_groups, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t padded = kHeadsPerTask;  // a multiple of kHeadTile
     Scratch q(padded * width), acc(padded * c_dim), probs(padded * block_size);
+    constexpr bool kFp8 = std::is_same_v<cache_t, Fp8Cache>;
+    Scratch dequantized(kFp8 ? block_size * width : 0);
     std::vector<float> running_max(padded), running_sum(padded);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / head_groups;
@@ -161,7 +222,17 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
         const int64_t skip = starts ? std::max<int64_t>(starts[r] - start, 0) : 0;
         const int64_t n = std::min(block_size, len - start) - skip;
         const int64_t block_id = static_cast<int64_t>(block_table[r * max_blocks + start / block_size]);
-        const cache_t* block = cache + (block_id * block_size + skip) * width;
+        const cache_t* stored = cache + (block_id * block_size + skip) * width;
+        // An fp8 block is dequantized once per task (for all its heads), then read like an fp32 one.
+        const auto* block = [&] {
+          if constexpr (kFp8) {
+            dequantize_fp8_tokens(stored, cache_scales + (block_id * block_size + skip) * 2, n, width, c_dim,
+                                  dequantized.data());
+            return static_cast<const float*>(dequantized.data());
+          } else {
+            return stored;
+          }
+        }();
         // What this task reads next (its row's next block, or the next task's first block) sits
         // elsewhere in the pool, where the hardware prefetcher cannot guess it.
         SpreadPrefetcher fetch;
@@ -236,13 +307,13 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
 template <typename cache_t>
 void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, const torch::Tensor& cache,
                     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const int64_t* starts,
-                    torch::Tensor& out, float scale) {
+                    torch::Tensor& out, float scale, const float* cache_scales) {
   const int64_t rows = q_latent.size(0), heads = q_latent.size(1), c_dim = q_latent.size(2);
   const auto* cache_ptr = reinterpret_cast<const cache_t*>(cache.data_ptr());
   auto run = [&](const auto* table) {
     decode_rows(q_latent.data_ptr<float>(), q_pe.data_ptr<float>(), cache_ptr, table, seq_lens.data_ptr<int64_t>(),
                 starts, out.data_ptr<float>(), rows, heads, c_dim, q_pe.size(2), cache.size(1), block_table.size(1),
-                scale);
+                scale, cache_scales);
   };
   if (block_table.scalar_type() == torch::kInt32) {
     run(block_table.data_ptr<int32_t>());
@@ -271,11 +342,35 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
   auto out = torch::empty_like(q_latent);
   const float s = static_cast<float>(scale);
   if (cache.scalar_type() == torch::kFloat32) {
-    dispatch_index<float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s);
+    dispatch_index<float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
   } else if (cache.scalar_type() == torch::kBFloat16) {
-    dispatch_index<c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s);
+    dispatch_index<c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
   } else {
     TORCH_CHECK(false, "cache dtype must be fp32 or bf16, got ", cache.scalar_type());
   }
+  return out;
+}
+
+// The same for an fp8 (e4m3fn) cache with cache_scales [num_blocks, block_size, 2] fp32 (c_kv, k_pe
+// scale per token): each block read is 1 byte per value, dequantized in the kernel.
+torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
+                                       torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
+                                       double scale, c10::optional<torch::Tensor> starts) {
+  TORCH_CHECK(q_latent.scalar_type() == torch::kFloat32 && q_pe.scalar_type() == torch::kFloat32,
+              "queries must be fp32");
+  TORCH_CHECK(q_latent.is_contiguous() && q_pe.is_contiguous() && cache.is_contiguous() &&
+                  cache_scales.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
+              "inputs must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::ScalarType::Float8_e4m3fn, "cache must be float8_e4m3fn");
+  TORCH_CHECK(cache_scales.scalar_type() == torch::kFloat32 && cache_scales.dim() == 3 &&
+                  cache_scales.size(0) == cache.size(0) && cache_scales.size(1) == cache.size(1) &&
+                  cache_scales.size(2) == 2,
+              "cache_scales must be fp32 [num_blocks, block_size, 2]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64, "seq_lens must be int64");
+  TORCH_CHECK(!starts || (starts->scalar_type() == torch::kInt64 && starts->is_contiguous()),
+              "starts must be contiguous int64");
+  auto out = torch::empty_like(q_latent);
+  dispatch_index<Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, starts ? starts->data_ptr<int64_t>() : nullptr,
+                           out, static_cast<float>(scale), cache_scales.data_ptr<float>());
   return out;
 }

@@ -24,6 +24,7 @@ from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.bench.tables import ratios_table, results_table
 from moelaunch.model.checkpoint import check_empty_destination
 from moelaunch.model.config import load_args
+from moelaunch.model.quantization import QUANTIZATIONS
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -70,6 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="run every case this many times (this engine and vLLM alternating) and report medians",
     )
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16"], default="float32", help="this engine's weights"
+    )
+    p.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default="none", help="this engine's projections, at load"
+    )
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="this engine's cache")
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
     p.set_defaults(func=run)
     targets = p.add_subparsers(dest="target", metavar="serve")
@@ -194,6 +202,9 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         rounds=args.rounds,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     result = run_suite(opts)
     print(results_table(result["results"]))

@@ -50,6 +50,10 @@ class BenchOptions:
     threads: int = max(1, (os.cpu_count() or 1) - 1)
     vllm_timeout_s: float = 1800.0
     rounds: int = 1
+    # This engine's weights and cache (vLLM and transformers run fp32 whatever these say).
+    dtype: str = "float32"
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
 
 
 def build_cases(opts: BenchOptions, vocab_size: int, seed: int | None = None) -> list[Case]:
@@ -91,14 +95,15 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
         "max_num_seqs": max(256, *(len(c.requests) for c in per_round[0])),
         "kv_cache_memory": opts.kv_cache_memory,
     }
-    systems: dict[str, Any] = {OURS: {"dtype": "float32"}}
+    ours = {"dtype": opts.dtype, "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype}
+    systems: dict[str, Any] = {OURS: ours}
     rounds: dict[str, list[CaseResults]] = {}
     threads_before = torch.get_num_threads()
     # Every system computes on the same number of threads (vLLM pins its own, see vllm_peer).
     torch.set_num_threads(opts.threads)
     try:
         _log(f"{OURS}: loading {opts.model}")
-        with LLM(opts.model, dtype="float32", **settings) as llm:
+        with LLM(opts.model, **ours, **settings) as llm:
             for r, round_cases in enumerate(per_round):
                 _log(f"round {r + 1} of {opts.rounds}")
                 rounds.setdefault(OURS, []).append(run_ours_on(llm, round_cases, warmup))

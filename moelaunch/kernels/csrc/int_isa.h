@@ -1,0 +1,97 @@
+// The instruction sets the integer-weight kernels have a path for, each as a small traits struct of
+// float-vector operations, so that one kernel template serves every path:
+// - Avx512: 16 fp32 lanes (AVX-512F), and for W8A8 the integer dot products of AVX512-VNNI;
+// - Avx2: 8 fp32 lanes (AVX2 + FMA), W8A8 through 16-bit multiply-adds (vpmaddwd);
+// - Scalar: one lane, plain C++ (any CPU; the reference the vector paths are tested against).
+// A path exists in a build only when the compiler targets its instructions (the build is -march=native),
+// and which one runs is chosen per call (int_linear_cpu.cpp: the best the CPU has, or a forced one).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MOELAUNCH_HAS_AVX2 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MOELAUNCH_HAS_AVX512 1
+#endif
+
+namespace moelaunch::isa {
+
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+struct Scalar {
+  using F = float;
+  static constexpr int L = 1;
+  static F zero() { return 0.f; }
+  static F set1(float v) { return v; }
+  static F load(const float* p) { return *p; }
+  static F fma(F a, F b, F c) { return a * b + c; }
+  static F load_i8(const int8_t* p) { return static_cast<float>(*p); }
+  // Two lanes' worth of int4 codes from L bytes: low nibbles (even columns) and high ones (odd columns).
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
+    lo = static_cast<float>(*p & 15);
+    hi = static_cast<float>(*p >> 4);
+  }
+  static float sum(F v) { return v; }
+};
+
+#ifdef MOELAUNCH_HAS_AVX2
+struct Avx2 {
+  using F = __m256;
+  static constexpr int L = 8;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+  }
+  static float sum(F v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+#endif
+
+#ifdef MOELAUNCH_HAS_AVX512
+struct Avx512 {
+  using F = __m512;
+  static constexpr int L = 16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F load_i8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void load_u4(const uint8_t* p, F& lo, F& hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+  }
+  static float sum(F v) { return _mm512_reduce_add_ps(v); }
+};
+#endif
+
+// The best path this build and CPU have.
+inline Path best_path() {
+#ifdef MOELAUNCH_HAS_AVX512
+  return kAvx512;
+#elif defined(MOELAUNCH_HAS_AVX2)
+  return kAvx2;
+#else
+  return kScalar;
+#endif
+}
+
+}  // namespace moelaunch::isa

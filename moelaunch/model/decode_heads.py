@@ -1,0 +1,46 @@
+"""The absorbed MLA form's two per-head products at decode, through the CPU grouped-linear kernel.
+
+q_latent[r, h] = q_nope[r, h] @ W_UK[h] and out[r, h] = latent[r, h] @ W_UV[h]^T are, per head, a
+few-row linear layer; as einsums they became one batched GEMM per product whose small-M path cost more
+than the rest of the layer at batch 1 (profiled on the bench model: 60-170 us per call for 260 k
+multiply-adds). As heads = groups of the grouped kernel they read each head's weight once, as stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from moelaunch import kernels
+
+
+@functools.cache
+def _head_offsets(heads: int, rows: int) -> Tensor:
+    return torch.arange(0, heads * rows + 1, rows)
+
+
+def per_head_linear(x: Tensor, stack: Tensor) -> Tensor:
+    """x [R, H, K] times stack[h]^T ([H, N, K]) for each head h -> [R, H, N]."""
+    rows, heads, k = x.shape
+    grouped = x.transpose(0, 1).reshape(heads * rows, k)
+    out = kernels.grouped_linear(grouped, stack, _head_offsets(heads, rows))
+    return out.view(heads, rows, -1).transpose(0, 1)
+
+
+class DecodeHeadWeights:
+    """W_UK^T [H, C, nope] and W_UV [H, v, C] as contiguous stacks for `per_head_linear`, made once per
+    dtype from kv_b_proj's weight (and again only if that weight is replaced): a copy of kv_b's size."""
+
+    def __init__(self) -> None:
+        self._key: tuple[torch.dtype, int] | None = None
+        self._stacks: tuple[Tensor, Tensor] | None = None
+
+    def get(self, w_uk: Tensor, w_uv: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
+        """w_uk [H, nope, C] and w_uv [H, v, C] (views of `source`, the kv_b weight)."""
+        key = (w_uk.dtype, source.data_ptr())
+        if self._stacks is None or self._key != key:
+            self._key = key
+            self._stacks = (w_uk.transpose(1, 2).contiguous(), w_uv.contiguous())
+        return self._stacks

@@ -1,0 +1,67 @@
+"""One projection of every local routed expert, stacked on a new first dimension, for the grouped kernels
+(`MoE.run_grouped_kernel`): a float weight [E, N, K], or integer weights (`model/linear.py`) with their
+scales and int4 zero points stacked alike. Each expert's Linear then holds views of the stack."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moelaunch import kernels
+from moelaunch.model.linear import Linear
+from moelaunch.model.quantization import IntQuant
+
+# A Linear's tensors, as (attribute, stack field), in stacking order.
+_TENSORS = (("weight", "weight"), ("weight_scale", "scale"), ("weight_zero_point", "zero"))
+
+
+@dataclass
+class ExpertStack:
+    weight: Tensor
+    scale: Tensor | None = None
+    zero: Tensor | None = None
+    quant: IntQuant | None = None
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, experts: list[list[Linear]]) -> ExpertStack | None:
+        """experts[e]: the Linears whose outputs expert e's stacked projection concatenates (e.g. its gate
+        and up projections). None when they cannot stack: block-FP8 weights, or mixed formats."""
+        first = experts[0][0]
+        if any(
+            lin.quant != first.quant or lin.weight.dtype != first.weight.dtype for e in experts for lin in e
+        ):
+            return None
+        if first.quant is None and first.weight.element_size() < 2:
+            return None
+        tensors = {}
+        for attr, field in _TENSORS:
+            if getattr(first, attr) is not None:
+                tensors[field] = torch.stack([torch.cat([getattr(lin, attr) for lin in e]) for e in experts])
+        stack = cls(**tensors, quant=first.quant)
+        for e, projections in enumerate(experts):
+            start = 0
+            for lin in projections:
+                rows = slice(start, start + lin.weight.shape[0])
+                start = rows.stop
+                for attr, field in _TENSORS:
+                    if field in tensors:
+                        view = tensors[field][e, rows]
+                        setattr(
+                            lin, attr, nn.Parameter(view, requires_grad=False) if attr == "weight" else view
+                        )
+        return stack
+
+    def grouped(self, x: Tensor, offsets: Tensor) -> Tensor:
+        """Rows offsets[e]:offsets[e+1] of x through expert e's projection."""
+        if self.quant is None:
+            return kernels.grouped_linear(x, self.weight, offsets)
+        if self.quant.method == "int4":
+            return kernels.int4_grouped_linear(
+                x, self.weight, self.scale, self.zero, offsets, self.quant.group_size
+            )
+        if self.quant.quantize_activations:
+            return kernels.w8a8_grouped_linear(x, self.weight, self.scale, offsets)
+        return kernels.int8_grouped_linear(x, self.weight, self.scale, offsets)
