@@ -514,3 +514,22 @@ def test_model_args_of_a_checkpoint_size_the_cache(checkpoint):
     means = PagedLatentCache.bytes_per_block(args, 2, 4, torch.float32, sparse=SparseAttention(topk_blocks=2))
     assert fp8 == 4 * 2 * (16 + 8 + 8)
     assert means == 4 * 2 * (16 + 8) * 4 + 2 * (16 + 8) * 4  # top-k keeps one fp32 mean per block and layer
+
+
+def test_topk_selection_a_few_rows_at_a_time_equals_all_at_once(monkeypatch):
+    """A long prompt's every token selects its blocks: the selection runs over bounded slices of rows
+    (it once took 27 GB for one 8K step at 32K), with the rows' choices unchanged."""
+    from moelaunch.model import kv_cache
+
+    g = torch.Generator().manual_seed(11)
+    args = latent_args(32, 8)
+    cache = PagedLatentCache(args, 40, 4, [0], sparse=SparseAttention(topk_blocks=3))
+    cache.store(0, torch.arange(40 * 4), _latents(g, (40 * 4,), 32, 8))
+    rows = 9
+    tables = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(rows)])
+    seq_lens = torch.randint(20, 48, (rows,), generator=g)
+    q_latent, q_pe = torch.randn(rows, 4, 32, generator=g), torch.randn(rows, 4, 8, generator=g)
+    whole = cache._select_blocks(0, q_latent, q_pe, tables, seq_lens, 3)
+    monkeypatch.setattr(kv_cache, "SELECT_BYTES", 1)  # one row at a time
+    sliced = cache._select_blocks(0, q_latent, q_pe, tables, seq_lens, 3)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True))

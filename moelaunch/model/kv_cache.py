@@ -43,6 +43,10 @@ class SparseAttention:
         return max(0, pos - self.window) if self.window is not None else 0
 
 
+# Working memory for top-k block selection at a time (see PagedLatentCache._select_blocks).
+SELECT_BYTES = 256 * 2**20
+
+
 class PagedLatentCache:
     def __init__(
         self,
@@ -186,13 +190,17 @@ class PagedLatentCache:
         the cached k_pe, so attention over the kept tokens is the same wherever they sit."""
         n_full = (seq_lens.long() - 1) // self.block_size  # the row's query sits in block n_full
         candidates = block_tables[:, :-1].long()
-        means = self.block_means[i, candidates]  # [R, B, C + P]; past n_full: whatever, masked below
-        scores = torch.einsum("rhc,rbc->rhb", q_latent.float(), means[..., : self.kv_rank])
-        scores = scores + torch.einsum("rhp,rbp->rhb", q_pe.float(), means[..., self.kv_rank :])
+        # Rows a few at a time: a prompt's every token selects its own blocks, and its rows' gathered
+        # means ([rows, blocks, C + P]) and scores ([rows, heads, blocks]) would not fit at long lengths.
+        per_row = candidates.shape[1] * (self.block_means.shape[-1] + q_latent.shape[1]) * 4
+        step = max(1, SELECT_BYTES // max(per_row, 1))
+        best = [
+            self._best_head_scores(i, q_latent[r : r + step], q_pe[r : r + step], candidates[r : r + step])
+            for r in range(0, candidates.shape[0], step)
+        ]
+        scores = torch.cat(best) if len(best) != 1 else best[0]
         column = torch.arange(candidates.shape[1], device=candidates.device)
-        scores = self.heads_max(scores.amax(dim=1)).masked_fill(
-            column[None, :] >= n_full[:, None], float("-inf")
-        )
+        scores = self.heads_max(scores).masked_fill(column[None, :] >= n_full[:, None], float("-inf"))
         # Real blocks outrank the -inf ones, so a row with at most K full blocks keeps them all, in front.
         chosen = scores.topk(k, dim=1).indices.sort(dim=1).values
         kept = n_full.clamp(max=k)
@@ -201,3 +209,12 @@ class PagedLatentCache:
         columns = torch.where(slot < kept[:, None], padded, n_full[:, None])
         tables = block_tables.long().gather(1, columns)
         return tables, seq_lens - (n_full - kept) * self.block_size
+
+    def _best_head_scores(
+        self, i: int, q_latent: torch.Tensor, q_pe: torch.Tensor, candidates: torch.Tensor
+    ) -> torch.Tensor:
+        """[R, B]: each row's best head score against each candidate block's mean latent."""
+        means = self.block_means[i, candidates]  # [R, B, C + P]; past a row's n_full: masked by the caller
+        scores = torch.einsum("rhc,rbc->rhb", q_latent.float(), means[..., : self.kv_rank])
+        scores = scores + torch.einsum("rhp,rbp->rhb", q_pe.float(), means[..., self.kv_rank :])
+        return scores.amax(dim=1)
