@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moelaunch.engine.sampler import SampledToken, sample_batch
 from moelaunch.engine.scheduler import ScheduledChunk
+from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.model.batch import BatchLayout, SeqSpan
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.transformer import Transformer
@@ -39,6 +40,7 @@ class ModelRunner:
         micro_batches: int,
         eos_id: int | None,
         use_mtp: bool = False,
+        static: StaticDecode | None = None,
     ) -> None:
         self.model = model
         self.mesh = mesh
@@ -47,6 +49,7 @@ class ModelRunner:
         self.eos_id = eos_id
         self.use_mtp = use_mtp
         self.dtype = model.compute_dtype()
+        self.static = static  # the static decode step, for decode-only micro-batches it takes
 
     @torch.inference_mode()
     def step(self, plan: list[ScheduledChunk]) -> dict[int, StepResult]:
@@ -62,6 +65,9 @@ class ModelRunner:
     def _micro_step(
         self, chunks: list[ScheduledChunk], results: dict[int, StepResult], pending: list
     ) -> None:
+        if self.static is not None and self.static.takes(chunks):
+            self._static_step(chunks, results)
+            return
         mesh, model = self.mesh, self.model
         ids, spans, offset = [], [], 0
         for c in chunks:
@@ -92,6 +98,16 @@ class ModelRunner:
             results[c.seq.seq_id] = StepResult(sampled)
         if self.use_mtp:
             self._draft(chunks, spans, hidden, results)
+
+    def _static_step(self, chunks: list[ScheduledChunk], results: dict[int, StepResult]) -> None:
+        """A decode-only micro-batch through the static step; its logits come back once, for sampling."""
+        logits = self.static.run(chunks).cpu()
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
+        tokens = sample_batch(
+            logits[[i for i, _ in sampling]], [(c.seq, []) for _, c in sampling], self.eos_id
+        )
+        for (_, c), sampled in zip(sampling, tokens, strict=True):
+            results[c.seq.seq_id] = StepResult(sampled)
 
     def _draft(self, chunks: list[ScheduledChunk], spans: list[SeqSpan], hidden, results) -> None:
         """MTP over each chunk's valid positions (next token known); the last one's argmax is the draft.

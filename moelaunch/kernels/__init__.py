@@ -32,7 +32,12 @@ from moelaunch.kernels.int_dispatch import (
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
-from moelaunch.kernels.selection import prepare_cpu_kernels, use_triton, uses_grouped_linear_kernel
+from moelaunch.kernels.selection import (
+    grouped_linear_on_cpu,
+    prepare_cpu_kernels,
+    use_triton,
+    uses_grouped_linear_kernel,
+)
 
 __all__ = [
     "BLOCK_SIZE",
@@ -45,6 +50,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_linear",
     "grouped_linear",
+    "grouped_linear_on_cpu",
     "int4_dequant",
     "int4_linear",
     "int4_weight_quant",

@@ -119,5 +119,7 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
         return F.linear(x, weight)
-    out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
+    # Traced by torch.compile, the offsets are a constant of the graph instead.
+    offsets = torch.tensor([0, rows]) if torch.compiler.is_compiling() else _one_group(rows)
+    out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), offsets)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension
 from moelaunch.kernels.cpu_extension import cast_if_needed
+from moelaunch.kernels.cpu_ops import cpu_kernel
 
 
 def paged_mla_decode_cpu(
@@ -25,7 +25,7 @@ def paged_mla_decode_cpu(
 ) -> Tensor:
     """Same contract as `mla_decode_reference.paged_mla_decode_ref` for fp32 and bf16 caches (fp8 ones
     take the reference); needs the CPU kernels built."""
-    out = cpu_extension.require().paged_mla_decode_cpu(
+    out = cpu_kernel("paged_mla_decode_cpu")(
         cast_if_needed(q_latent, torch.float32).contiguous(),
         cast_if_needed(q_pe, torch.float32).contiguous(),
         cache.contiguous(),

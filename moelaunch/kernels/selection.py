@@ -33,6 +33,8 @@ def use_triton(t: Tensor) -> bool:
     return os.environ.get("MOELAUNCH_TRITON_ON_CPU") == "1" and interpreting()
 
 
+# Traced as its value: torch.compile must not trace the build (files, locks, the compiler).
+@torch.compiler.assume_constant_result
 def prepare_cpu_kernels() -> bool:
     """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
     decode step does not stall while peers wait in a collective. True when they are usable."""

@@ -48,7 +48,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if x.shape[0]:  # a rank with no tokens skips attention but still joins the MoE exchange
             x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, layout, self.layer_id, impl)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        # A static step routes MoE rows on the device (no counts read back).
+        return x + (self.mlp(h, static=True) if layout.static and isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class SharedHead(nn.Module):
