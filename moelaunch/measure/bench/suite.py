@@ -50,6 +50,7 @@ class BenchOptions:
     threads: int = max(1, (os.cpu_count() or 1) - 1)
     vllm_timeout_s: float = 1800.0
     rounds: int = 1
+    compile: str = "auto"  # engine.compile for this engine
 
 
 def build_cases(opts: BenchOptions, vocab_size: int, seed: int | None = None) -> list[Case]:
@@ -98,7 +99,7 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
     torch.set_num_threads(opts.threads)
     try:
         _log(f"{OURS}: loading {opts.model}")
-        with LLM(opts.model, dtype="float32", **settings) as llm:
+        with LLM(opts.model, dtype="float32", compile=opts.compile, **settings) as llm:
             for r, round_cases in enumerate(per_round):
                 _log(f"round {r + 1} of {opts.rounds}")
                 rounds.setdefault(OURS, []).append(run_ours_on(llm, round_cases, warmup))
