@@ -32,6 +32,7 @@ from moelaunch.kernels.int_dispatch import (
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
+from moelaunch.kernels.paged_store import store_rows
 from moelaunch.kernels.selection import (
     grouped_linear_on_cpu,
     prepare_cpu_kernels,
@@ -67,6 +68,7 @@ __all__ = [
     "rms_norm",
     "rotate_tail",
     "silu_mul",
+    "store_rows",
     "use_triton",
     "uses_grouped_linear_kernel",
     "w8a8_linear",

@@ -108,6 +108,7 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return fn(x, weight, offsets)
 
 
+@torch.compiler.assume_constant_result  # traced as a constant of the graph, not rebuilt per call
 @functools.cache
 def _one_group(rows: int) -> Tensor:
     """Offsets [0, rows] (never written to): made once per row count, not once per layer and step."""
@@ -119,7 +120,5 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
         return F.linear(x, weight)
-    # Traced by torch.compile, the offsets are a constant of the graph instead.
-    offsets = torch.tensor([0, rows]) if torch.compiler.is_compiling() else _one_group(rows)
-    out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), offsets)
+    out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -103,14 +103,12 @@ class PagedLatentCache:
     def store(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
         """Write tokens' latents ([N, C + P]) at flat slots (block * block_size + offset)."""
         i = self.slot_of_layer[layer]
-        flat = self.pool[i].view(-1, self.pool.shape[-1])
         if self.scales is None:
-            flat.index_copy_(0, slots, latent.to(flat.dtype))
+            kernels.store_rows(self.pool, i, slots, latent.to(self.pool.dtype))
         else:
             values, scales = kernels.quantize_latent(latent, self.kv_rank)
-            # index_copy_ has no fp8 kernel; the bytes are the same through a uint8 view.
-            flat.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
-            self.scales[i].view(-1, kernels.SCALES_PER_TOKEN).index_copy_(0, slots, scales)
+            kernels.store_rows(self.pool, i, slots, values)
+            kernels.store_rows(self.scales, i, slots, scales)
         if self.block_means is not None:
             # A block is full once its last slot is written (slots fill in order; a rejected speculative
             # token is rewritten before any later slot, so the mean is taken over the final values).
