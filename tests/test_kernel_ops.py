@@ -28,7 +28,7 @@ def compiled_ops(fn, *args) -> tuple[object, set[str]]:
 
 def decode_layer_pieces(x: Tensor, w: Tensor, norm: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """A few of a decode layer's kernel calls: linear, RMSNorm, the in-place latent and rotary steps,
-    SiLU gating, grouped experts and their weighted sum."""
+    SiLU gating, grouped experts, the router and the experts' weighted sum."""
     h = kernels.rms_norm(kernels.linear(x, w), norm, 1e-6)
     latent = kernels.mla_latent(h.clone(), norm[:24], 1e-6, cos, sin, True)
     rotated = kernels.rotate_tail(h.clone().view(-1, 4, 8), cos, sin, 8, True).flatten(1)
@@ -36,8 +36,8 @@ def decode_layer_pieces(x: Tensor, w: Tensor, norm: Tensor, cos: Tensor, sin: Te
     act = kernels.silu_mul(gate.contiguous(), up.contiguous())
     offsets = torch.tensor([0, 1, 3])
     y = kernels.grouped_linear(act, torch.stack([w[:, :16], w[:, 16:]]), offsets)
-    slot = torch.tensor([[0, 1], [2, 0], [1, 2]])
-    return kernels.moe_combine(y, slot, x[:, :2].sigmoid(), latent + rotated)
+    weights, slot = kernels.moe_route(x[:, :4].contiguous(), norm[:4], 2, 2, 1, True, True, 2.5)
+    return kernels.moe_combine(y, slot % 3, weights, latent + rotated)
 
 
 @torch.inference_mode()
@@ -48,7 +48,7 @@ def test_cpu_kernels_trace_as_custom_ops():
     args = (torch.randn(3, 32), torch.randn(32, 32), torch.rand(32) + 0.5, torch.rand(3, 4), torch.rand(3, 4))
     out, ops = compiled_ops(decode_layer_pieces, *args)
     names = {"rms_norm_cpu", "mla_latent_cpu", "rotate_tail_cpu", "silu_mul_cpu", "grouped_linear_cpu"}
-    assert ops == names | {"moe_combine_cpu"}
+    assert ops == names | {"moe_route_cpu", "moe_combine_cpu"}
     torch.testing.assert_close(out, decode_layer_pieces(*args), rtol=0, atol=0)
 
 

@@ -8,8 +8,9 @@ in the cache's scratch block (`PagedLatentCache.scratch_block`), touching no seq
 
 That makes it compile with torch.compile(fullgraph=True, dynamic=False), one graph per bucket, and
 capture on CUDA as one CUDA graph per bucket (`cuda_graphs.capture`). Batches above the largest
-bucket, prefill and mixed steps, MTP drafts, expert parallelism (its all-to-all has uneven, host-read
-counts), pipeline stages and top-k block attention stay eager.
+bucket, prefill and mixed steps, MTP drafts, pipeline stages, top-k block attention and expert
+parallelism across data-parallel replicas (its all-to-all has uneven, host-read counts; EP inside one
+tensor-parallel group sums the experts with an all-reduce instead) stay eager.
 
 Sampling runs after the step on the returned logits (engine/sampler.py). A device sampler with
 per-row parameters as tensors can be appended at the end of `forward` (its parameters one more
@@ -52,7 +53,7 @@ def static_decode_supported(model: Transformer, cache: PagedLatentCache, single_
         return "top-k block attention selects blocks from values"
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if any(not m.routes_on_device for m in moes):
-        return "experts are spread over ranks (expert parallelism) or not stacked (FP8 experts)"
+        return "experts spread over data-parallel replicas (dp > 1), or not stacked (FP8 or integer experts)"
     return None
 
 

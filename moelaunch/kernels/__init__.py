@@ -19,7 +19,7 @@ from moelaunch.kernels.dispatch import (
     weight_quant,
 )
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
-from moelaunch.kernels.fused import mla_latent, moe_combine, rms_norm, rotate_tail, silu_mul
+from moelaunch.kernels.fused import mla_latent, moe_combine, moe_route, rms_norm, rotate_tail, silu_mul
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.int_dispatch import (
     int4_dequant,
@@ -62,6 +62,7 @@ __all__ = [
     "linear",
     "mla_latent",
     "moe_combine",
+    "moe_route",
     "paged_mla_decode",
     "prepare_cpu_kernels",
     "quantize_latent",

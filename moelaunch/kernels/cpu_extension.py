@@ -21,7 +21,13 @@ from typing import IO
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["bindings.cpp", "mla_decode_cpu.cpp", "grouped_linear_cpu.cpp", "fused_cpu.cpp"]
+SOURCES = [
+    "bindings.cpp",
+    "mla_decode_cpu.cpp",
+    "grouped_linear_cpu.cpp",
+    "fused_cpu.cpp",
+    "moe_route_cpu.cpp",
+]
 # The longest a build of another process is waited for (builds take 1-3 minutes).
 BUILD_WAIT_S = 900.0
 LOCK_POLL_S = 0.5

@@ -117,3 +117,24 @@ def moe_combine_cpu(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | Non
 @moe_combine_cpu.register_fake
 def _(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
     return y.new_empty(slot.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("moelaunch::moe_route_cpu", mutates_args=())
+def moe_route_cpu(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    weights, ids = _ext().moe_route_cpu(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale)
+    return weights, ids
+
+
+@moe_route_cpu.register_fake
+def _(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale) -> tuple[Tensor, Tensor]:
+    rows = logits.shape[0]
+    return logits.new_empty(rows, top_k), logits.new_empty(rows, top_k, dtype=torch.long)

@@ -108,11 +108,15 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     return fn(x, weight, offsets)
 
 
-@torch.compiler.assume_constant_result  # traced as a constant of the graph, not rebuilt per call
 @functools.cache
+def _one_group_made(rows: int) -> Tensor:
+    return torch.tensor([0, rows])
+
+
+@torch.compiler.assume_constant_result  # traced as a constant of the graph, not rebuilt per call
 def _one_group(rows: int) -> Tensor:
     """Offsets [0, rows] (never written to): made once per row count, not once per layer and step."""
-    return torch.tensor([0, rows])
+    return _one_group_made(rows)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

@@ -1,5 +1,6 @@
 """The small per-token steps around the big products (RMSNorm, rotary embedding, SiLU gating, the
-routed experts' weighted sum): csrc/fused_cpu.cpp where `selection` says so (fp32 CPU tensors outside
+routed experts' weighted sum, the MoE router after its GEMM): csrc/fused_cpu.cpp and
+csrc/moe_route_cpu.cpp where `selection` says so (fp32 CPU tensors outside
 autograd), the torch references in `fused_reference` everywhere else.
 
 `mla_latent` and `rotate_tail` may work in place on their input and return it: callers must use the
@@ -57,3 +58,21 @@ def moe_combine(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None = 
             y.contiguous(), slot.long().contiguous(), weights.contiguous(), base
         )
     return ref.moe_combine_ref(y, slot, weights, base)
+
+
+def moe_route(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Router logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k]); see moe_route_ref."""
+    args = (top_k, n_groups, topk_groups, sigmoid, normalize, scale)
+    if selection.moe_route_on_cpu(logits, bias):
+        weights, ids = cpu_kernel("moe_route_cpu")(logits.contiguous(), bias, *args)
+        return weights, ids
+    return ref.moe_route_ref(logits, bias, *args)

@@ -104,3 +104,9 @@ def moe_combine_on_cpu(y: Tensor, weights: Tensor, base: Tensor | None) -> bool:
     if base is None:
         return _cpu_kernel_takes(y, weights)
     return _cpu_kernel_takes(y, weights, base) and base.stride(-1) == 1
+
+
+def moe_route_on_cpu(logits: Tensor, bias: Tensor | None) -> bool:
+    if bias is None:
+        return _cpu_kernel_takes(logits)
+    return _cpu_kernel_takes(logits, bias) and bias.is_contiguous()

@@ -12,6 +12,9 @@ torch::Tensor rotate_tail_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor 
 torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
 torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor weights,
                               c10::optional<torch::Tensor> base);
+std::vector<torch::Tensor> moe_route_cpu(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t top_k,
+                                         int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize,
+                                         double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU",
@@ -24,4 +27,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_cpu", &silu_mul_cpu, "silu(gate) * up");
   m.def("moe_combine_cpu", &moe_combine_cpu, "base + the routing-weighted sum of each token's expert outputs",
         py::arg("y"), py::arg("slot"), py::arg("weights"), py::arg("base") = py::none());
+  m.def("moe_route_cpu", &moe_route_cpu, "MoE router after its GEMM: scores, groups, top-k, weights");
 }
