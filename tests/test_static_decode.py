@@ -138,3 +138,15 @@ def test_ops_per_decode_step_on_the_v3_shape(tmp_path):
     assert not seen.syncs
     per_layer = seen.total / V3_SHAPE["num_hidden_layers"]
     assert per_layer <= OPS_PER_LAYER_BUDGET, (per_layer, seen.ops.most_common())
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [(dict(cuda_graph_sizes=[0, 8]), "cuda_graph_sizes"), (dict(cuda_graph_sizes=[]), "cuda_graph_sizes"),
+     (dict(compile="fast"), "compile"), (dict(cuda_graphs="yes"), "cuda_graphs")],
+)  # fmt: skip
+def test_bad_compile_and_graph_settings_are_refused_before_loading(options, named):
+    from moelaunch.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(**options)
