@@ -55,3 +55,16 @@ def test_multiprocess_engine_matches_one_process(checkpoint, single, layout, opt
             assert engine.stats.spec_drafted > 0
         if options["kv_cache_memory"] == TIGHT["kv_cache_memory"]:
             assert engine.scheduler.preemptions > 0
+
+
+def test_static_decode_at_tp2_has_no_sync(checkpoint, single, monkeypatch):
+    """Every rank's decode steps take the static step under the guard that fails on a sync; experts
+    split over the two ranks run on the device and are summed with one all-reduce."""
+    monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")
+    with LLM(checkpoint, tp=2, kv_cache_memory=4_000_000, block_size=4) as llm:
+        static = llm.engine.runner.static
+        assert static is not None
+        runs, run = [], static.run
+        static.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
+        assert outputs(llm) == single[None]
+        assert runs

@@ -87,3 +87,22 @@ def test_dispatch_keeps_autograd_on_the_reference():
     assert x.grad is not None and weight.grad is not None
     with torch.no_grad():
         torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), ref.rms_norm_ref(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize(
+    ("experts", "top_k", "groups", "kept", "sigmoid", "bias", "normalize"),
+    [
+        (64, 6, 8, 4, True, True, True),  # DeepSeek-V3: sigmoid, noaux_tc bias, group-limited
+        (16, 4, 4, 2, True, False, True),  # groups ranked by their best score
+        (8, 2, 1, 1, False, False, False),  # V2-style softmax, no groups, unnormalized
+    ],
+)
+def test_moe_route(experts, top_k, groups, kept, sigmoid, bias, normalize):
+    logits = torch.randn(33, experts) * 2
+    b = torch.randn(experts) * 0.3 if bias else None
+    args = (top_k, groups, kept, sigmoid, normalize, 2.5)
+    weights, ids = ext.moe_route_cpu(logits, b, *args)
+    ref_weights, ref_ids = ref.moe_route_ref(logits, b, *args)
+    assert torch.equal(ids, ref_ids)  # random scores: no ties, so the same experts in the same order
+    # Both sum the same fp32 terms (softmax over the experts, then the top k), each a few ulps apart.
+    torch.testing.assert_close(weights, ref_weights, rtol=4 * gamma(experts + top_k + 4), atol=0)

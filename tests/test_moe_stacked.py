@@ -104,3 +104,17 @@ def test_integer_experts_stack_and_match_expert_by_expert(method, tokens, cpu_ke
     got = moe(x)
     assert bool(calls) == cpu_kernels
     torch.testing.assert_close(got, expected, rtol=0 if method == "w8a8" else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 4 * STACKED_MAX_ROWS])
+def test_routing_on_the_device_matches_host_counts(tokens, cpu_kernels):
+    """The static step's MoE path (offsets found on the device, no counts read back) against the path
+    that reads counts back, with and without the grouped kernel (without it, every expert is padded to
+    the token count)."""
+    moe = _random_moe(seed=tokens + 1)
+    moe.stack_experts()
+    x = torch.randn(tokens, moe.gate.weight.shape[1])
+    expected = moe(x)
+    reduction = moe.gate.weight.shape[1] + moe.experts["0"].down_proj.weight.shape[1]
+    tolerance = 16 * gamma(reduction) * expected.abs().max().item()
+    torch.testing.assert_close(moe(x, static=True), expected, rtol=0, atol=tolerance)

@@ -78,3 +78,26 @@ class EngineConfig(BaseModel):
     skip_tokenizer_init: bool = Field(
         False, description="load no tokenizer: prompts are token ids, outputs token ids without text"
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="torch.compile the static decode step (fullgraph, one graph per batch bucket); "
+        "auto: on for CUDA, off on the CPU (measured slower there, docs/benchmarks.md)",
+    )
+    cuda_graphs: bool | None = Field(
+        None, description="replay each batch bucket's decode step as a CUDA graph; default: on for CUDA"
+    )
+    cuda_graph_sizes: list[int] | None = Field(
+        None,
+        description="decode batch buckets (each >= 1); default 1, 2, 4, 8, then steps of 8 up to "
+        "max_num_seqs. Larger decode batches run eager",
+    )
+
+    @model_validator(mode="after")
+    def _graph_sizes(self) -> EngineConfig:
+        if self.cuda_graph_sizes is not None and (
+            not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1
+        ):
+            raise ValueError(
+                f"cuda_graph_sizes={self.cuda_graph_sizes}: give batch sizes >= 1, or leave it unset"
+            )
+        return self

@@ -21,6 +21,7 @@ from moelaunch.engine.outputs import CompletionOutput, RequestMetrics, RequestOu
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.engine.sequence import Sequence
+from moelaunch.engine.static_decode import build_static_decode
 from moelaunch.engine.stats import EngineStats
 from moelaunch.engine.step_protocol import broadcast_json, gather_json
 from moelaunch.model.kv_cache import PagedLatentCache
@@ -111,7 +112,12 @@ class LLMEngine:
         # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
         micro = self.config.micro_batches or mesh.shape.pp
-        self.runner = ModelRunner(self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer)
+        static = build_static_decode(
+            self.config, self.model, self.cache, mesh.device, mesh.shape.pp == 1, self.max_model_len, use_mtp
+        )
+        self.runner = ModelRunner(
+            self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer, static
+        )
         # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
         self.drafted = self.accepted = 0
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moelaunch.engine.sampler import SampledToken, Sampler
 from moelaunch.engine.scheduler import ScheduledChunk
+from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.model.batch import BatchLayout, SeqSpan
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.transformer import Transformer
@@ -41,6 +42,7 @@ class ModelRunner:
         eos_id: int | None,
         use_mtp: bool = False,
         tokenizer: Tokenizer | None = None,
+        static: StaticDecode | None = None,
     ) -> None:
         self.model = model
         self.mesh = mesh
@@ -50,6 +52,7 @@ class ModelRunner:
         self.use_mtp = use_mtp
         self.dtype = model.compute_dtype()
         self.sampler = Sampler(tokenizer, model.args.vocab_size, eos_id)
+        self.static = static  # the static decode step, for decode-only micro-batches it takes
 
     @torch.inference_mode()
     def step(self, plan: list[ScheduledChunk]) -> dict[int, StepResult]:
@@ -65,6 +68,9 @@ class ModelRunner:
     def _micro_step(
         self, chunks: list[ScheduledChunk], results: dict[int, StepResult], pending: list
     ) -> None:
+        if self.static is not None and self.static.takes(chunks):
+            self._static_step(chunks, results)
+            return
         mesh, model = self.mesh, self.model
         ids, spans, offset = [], [], 0
         for c in chunks:
@@ -97,6 +103,17 @@ class ModelRunner:
             results[c.seq.seq_id] = StepResult(sampled)
         if self.use_mtp:
             self._draft(chunks, spans, hidden, results)
+
+    def _static_step(self, chunks: list[ScheduledChunk], results: dict[int, StepResult]) -> None:
+        """A decode-only micro-batch through the static step, then the sampler on its logits (the
+        sampling controls prepared while the step runs)."""
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
+        prepared = self.sampler.prepare_async([(c.seq, []) for _, c in sampling], self.mesh.device)
+        logits = self.static.run(chunks)
+        rows = torch.tensor([i for i, _ in sampling], dtype=torch.long, device=logits.device)
+        tokens = self.sampler.sample(logits[rows], prepared.result())
+        for (_, c), sampled in zip(sampling, tokens, strict=True):
+            results[c.seq.seq_id] = StepResult(sampled)
 
     def _draft(self, chunks: list[ScheduledChunk], spans: list[SeqSpan], hidden, results) -> None:
         """MTP over each chunk's valid positions (next token known); the last one's argmax is the draft.

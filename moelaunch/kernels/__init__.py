@@ -20,7 +20,7 @@ from moelaunch.kernels.dispatch import (
     weight_quant,
 )
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
-from moelaunch.kernels.fused import mla_latent, moe_combine, rms_norm, rotate_tail, silu_mul
+from moelaunch.kernels.fused import mla_latent, moe_combine, moe_route, rms_norm, rotate_tail, silu_mul
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.int_dispatch import (
     int4_dequant,
@@ -36,7 +36,9 @@ from moelaunch.kernels.int_dispatch import (
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
+from moelaunch.kernels.paged_store import store_rows
 from moelaunch.kernels.selection import (
+    grouped_linear_on_cpu,
     int_linear_on_cpu,
     prepare_cpu_kernels,
     use_triton,
@@ -54,6 +56,7 @@ __all__ = [
     "fp8_gemm",
     "fp8_linear",
     "grouped_linear",
+    "grouped_linear_on_cpu",
     "int4_dequant",
     "int4_grouped_linear",
     "int4_linear",
@@ -67,12 +70,14 @@ __all__ = [
     "linear",
     "mla_latent",
     "moe_combine",
+    "moe_route",
     "paged_mla_decode",
     "prepare_cpu_kernels",
     "quantize_latent",
     "rms_norm",
     "rotate_tail",
     "silu_mul",
+    "store_rows",
     "use_triton",
     "uses_grouped_linear_kernel",
     "w8a8_grouped_linear",

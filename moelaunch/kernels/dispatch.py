@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +26,12 @@ from moelaunch.kernels.selection import (
 )
 
 
-def _triton() -> ModuleType:
+def _triton() -> Any:
     # Imported on first use: a CPU-only run never pays for (or depends on) Triton, and the kernels get
     # decorated after the caller has had the chance to set TRITON_INTERPRET.
-    from moelaunch.kernels import fp8_triton
+    from moelaunch.kernels import fp8_triton, triton_ops
 
-    return fp8_triton
+    return triton_ops.entry(fp8_triton)
 
 
 def act_quant(x: Tensor, block_size: int = BLOCK_SIZE, scale_fmt: str | None = None) -> tuple[Tensor, Tensor]:
@@ -74,11 +74,11 @@ def fp8_linear(
     return fp8_gemm(x_q, x_s, weight_fp8, weight_scale_inv, out_dtype=x.dtype)
 
 
-def _mla_triton() -> ModuleType:
+def _mla_triton() -> Any:
     # Lazy for the same reasons as `_triton`, and separate so MLA decode does not pull in the FP8 kernels.
-    from moelaunch.kernels import mla_decode_triton
+    from moelaunch.kernels import mla_decode_triton, triton_ops
 
-    return mla_decode_triton
+    return triton_ops.entry(mla_decode_triton)
 
 
 def paged_mla_decode(
@@ -109,9 +109,14 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
 
 
 @functools.cache
+def _one_group_made(rows: int) -> Tensor:
+    return torch.tensor([0, rows])
+
+
+@torch.compiler.assume_constant_result  # traced as a constant of the graph, not rebuilt per call
 def _one_group(rows: int) -> Tensor:
     """Offsets [0, rows] (never written to): made once per row count, not once per layer and step."""
-    return torch.tensor([0, rows])
+    return _one_group_made(rows)
 
 
 def linear(x: Tensor, weight: Tensor) -> Tensor:

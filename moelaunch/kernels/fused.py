@@ -1,5 +1,6 @@
 """The small per-token steps around the big products (RMSNorm, rotary embedding, SiLU gating, the
-routed experts' weighted sum): csrc/fused_cpu.cpp where `selection` says so (fp32 CPU tensors outside
+routed experts' weighted sum, the MoE router after its GEMM): csrc/fused_cpu.cpp and
+csrc/moe_route_cpu.cpp where `selection` says so (fp32 CPU tensors outside
 autograd), the torch references in `fused_reference` everywhere else.
 
 `mla_latent` and `rotate_tail` may work in place on their input and return it: callers must use the
@@ -10,15 +11,16 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension, selection
 from moelaunch.kernels import fused_reference as ref
+from moelaunch.kernels import selection
+from moelaunch.kernels.cpu_ops import cpu_kernel
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm over x's last dimension."""
     if selection.rms_norm_on_cpu(x, weight):
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        return cpu_extension.require().rms_norm_cpu(rows, weight.contiguous(), eps).view(x.shape)
+        return cpu_kernel("rms_norm_cpu")(rows, weight.contiguous(), eps).view(x.shape)
     return ref.rms_norm_ref(x, weight, eps)
 
 
@@ -27,30 +29,50 @@ def mla_latent(
 ) -> Tensor:
     """latent [T, C + P] -> [rms_norm(first C columns) | last P columns rotated by tables [T, P/2]]."""
     if selection.mla_latent_on_cpu(latent, weight, cos, sin):
-        return cpu_extension.require().mla_latent_cpu(
+        cpu_kernel("mla_latent_cpu")(
             latent, weight.contiguous(), eps, cos.contiguous(), sin.contiguous(), interleaved
         )
+        return latent
     return ref.mla_latent_ref(latent, weight, eps, cos, sin, interleaved)
 
 
 def rotate_tail(x: Tensor, cos: Tensor, sin: Tensor, p: int, interleaved: bool) -> Tensor:
     """x [T, H, D] with the last p columns of every head rotated by tables [T, p/2]."""
     if selection.rotate_tail_on_cpu(x, cos, sin):
-        return cpu_extension.require().rotate_tail_cpu(x, cos.contiguous(), sin.contiguous(), p, interleaved)
+        cpu_kernel("rotate_tail_cpu")(x, cos.contiguous(), sin.contiguous(), p, interleaved)
+        return x
     return ref.rotate_tail_ref(x, cos, sin, p, interleaved)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up for [T, I] inputs."""
     if selection.silu_mul_on_cpu(gate, up):
-        return cpu_extension.require().silu_mul_cpu(gate, up)
+        return cpu_kernel("silu_mul_cpu")(gate, up)
     return ref.silu_mul_ref(gate, up)
 
 
 def moe_combine(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None = None) -> Tensor:
     """base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D] expert outputs, slot/weights [T, K]."""
     if selection.moe_combine_on_cpu(y, weights, base):
-        return cpu_extension.require().moe_combine_cpu(
+        return cpu_kernel("moe_combine_cpu")(
             y.contiguous(), slot.long().contiguous(), weights.contiguous(), base
         )
     return ref.moe_combine_ref(y, slot, weights, base)
+
+
+def moe_route(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Router logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k]); see moe_route_ref."""
+    args = (top_k, n_groups, topk_groups, sigmoid, normalize, scale)
+    if selection.moe_route_on_cpu(logits, bias):
+        weights, ids = cpu_kernel("moe_route_cpu")(logits.contiguous(), bias, *args)
+        return weights, ids
+    return ref.moe_route_ref(logits, bias, *args)

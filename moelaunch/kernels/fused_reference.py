@@ -1,6 +1,7 @@
-"""Torch definitions of the small per-token steps that csrc/fused_cpu.cpp fuses (RMSNorm, rotary
-embedding, SiLU gating, the routed experts' weighted sum): the path everywhere the C++ kernels do not
-run (CUDA, other dtypes, autograd), and what they are tested against."""
+"""Torch definitions of the small per-token steps that csrc/fused_cpu.cpp and csrc/moe_route_cpu.cpp
+fuse (RMSNorm, rotary embedding, SiLU gating, the routed experts' weighted sum, the MoE router after its
+GEMM): the path everywhere the C++ kernels do not run (CUDA, other dtypes, autograd), and what they are
+tested against."""
 
 from __future__ import annotations
 
@@ -57,3 +58,34 @@ def moe_combine_ref(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | Non
     """base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D], slot/weights [T, K], base [T, D] or None."""
     out = torch.einsum("tk,tkd->td", weights.to(y.dtype), y[slot])
     return out if base is None else base + out
+
+
+def moe_route_ref(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """Router logits [T, E] (fp32) -> (weights [T, top_k] fp32, expert ids [T, top_k]).
+
+    Experts are chosen by score plus `bias` (DeepSeek-V3's noaux_tc), within the `topk_groups` best of
+    `n_groups` groups (ranked by their best score, or with a bias by the sum of their best two); the
+    weights are the unbiased scores, normalized to sum 1 when asked, times `scale`.
+    """
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+    choice = scores if bias is None else scores + bias
+    if n_groups > 1:
+        grouped = choice.view(-1, n_groups, choice.shape[-1] // n_groups)
+        group_scores = grouped.amax(dim=-1) if bias is None else grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = group_scores.topk(topk_groups, dim=-1).indices
+        mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
+        choice = grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids

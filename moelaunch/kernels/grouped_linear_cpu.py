@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension
 from moelaunch.kernels.cpu_extension import cast_if_needed
+from moelaunch.kernels.cpu_ops import cpu_kernel
 
 
 def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
@@ -19,7 +19,7 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
 
     Computed in fp32 and returned in x's dtype.
     """
-    out = cpu_extension.require().grouped_linear_cpu(
+    out = cpu_kernel("grouped_linear_cpu")(
         cast_if_needed(x, torch.float32).contiguous(),
         weight.contiguous(),
         cast_if_needed(offsets, torch.int64).contiguous(),

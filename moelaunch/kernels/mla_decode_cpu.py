@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension
 from moelaunch.kernels.cpu_extension import cast_if_needed
+from moelaunch.kernels.cpu_ops import cpu_kernel
 
 
 def paged_mla_decode_cpu(
@@ -27,7 +27,6 @@ def paged_mla_decode_cpu(
     """Same contract as `mla_decode_reference.paged_mla_decode_ref` for fp32, bf16 and fp8 caches (an fp8
     cache comes with its scales and is dequantized in the kernel, a block at a time); needs the CPU
     kernels built."""
-    ext = cpu_extension.require()
     queries = (
         cast_if_needed(q_latent, torch.float32).contiguous(),
         cast_if_needed(q_pe, torch.float32).contiguous(),
@@ -35,9 +34,9 @@ def paged_mla_decode_cpu(
     rows = (block_table.contiguous(), cast_if_needed(seq_lens, torch.int64).contiguous(), float(scale))
     first = cast_if_needed(starts, torch.int64).contiguous() if starts is not None else None
     if cache_scales is None:
-        out = ext.paged_mla_decode_cpu(*queries, cache.contiguous(), *rows, first)
+        out = cpu_kernel("paged_mla_decode_cpu")(*queries, cache.contiguous(), *rows, first)
     else:
-        out = ext.paged_mla_decode_fp8_cpu(
+        out = cpu_kernel("paged_mla_decode_fp8_cpu")(
             *queries, cache.contiguous(), cache_scales.contiguous(), *rows, first
         )
     return cast_if_needed(out, q_latent.dtype)

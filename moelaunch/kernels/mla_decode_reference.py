@@ -15,15 +15,17 @@ from moelaunch.kernels.kv_fp8 import dequantize_latent
 def _gather_paged_tokens(
     cache: Tensor, block_table: Tensor, seq_lens: Tensor, starts: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Each row's cached tokens starts[r]..seq_lens[r]-1 in order, padded to the longest: ([R, S_max, C + P]
-    as stored, their (block, slot) indices ([R, S_max] each) for reading scales, mask [R, S_max]).
+    """Each row's cached tokens starts[r]..seq_lens[r]-1 in order, padded to what the block table can
+    hold: ([R, S_max, C + P] as stored, their (block, slot) indices ([R, S_max] each) for reading scales,
+    mask [R, S_max]). S_max comes from shapes, not values: no host sync, the same for every step whose
+    table has this width.
 
     Slots outside a row's range are never read: their block ids may be -1 or out of range, and the slots
     themselves may hold anything (a partial last block's tail is uninitialized memory, possibly NaN).
     """
     block_size = cache.shape[1]
     starts = starts.long()
-    s_max = int((seq_lens.long() - starts).max())
+    s_max = block_table.shape[1] * block_size
     pos = starts[:, None] + torch.arange(s_max, device=cache.device)[None, :]
     valid = pos < seq_lens[:, None].long()
     columns = (pos // block_size).masked_fill(~valid, 0)

@@ -38,6 +38,8 @@ def use_triton(t: Tensor) -> bool:
     return os.environ.get("MOELAUNCH_TRITON_ON_CPU") == "1" and interpreting()
 
 
+# Traced as its value: torch.compile must not trace the build (files, locks, the compiler).
+@torch.compiler.assume_constant_result
 def prepare_cpu_kernels() -> bool:
     """Build the CPU kernels now (a minute the first time on a machine, then cached), so that the first
     decode step does not stall while peers wait in a collective. True when they are usable."""
@@ -140,3 +142,9 @@ def moe_combine_on_cpu(y: Tensor, weights: Tensor, base: Tensor | None) -> bool:
     if base is None:
         return _cpu_kernel_takes(y, weights)
     return _cpu_kernel_takes(y, weights, base) and base.stride(-1) == 1
+
+
+def moe_route_on_cpu(logits: Tensor, bias: Tensor | None) -> bool:
+    if bias is None:
+        return _cpu_kernel_takes(logits)
+    return _cpu_kernel_takes(logits, bias) and bias.is_contiguous()

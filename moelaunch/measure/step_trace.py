@@ -1,4 +1,5 @@
-"""Which files one decode step runs through, and which package boundaries it crosses.
+"""Which files one decode step runs through, and which package boundaries it crosses; and what one
+decode step dispatches (`print_step_profile`, behind `launch bench --step-profile`).
 
     python -m moelaunch.measure.step_trace [--model checkpoints/small] [--batch 4] [--tp 2]
 
@@ -21,6 +22,8 @@ import torch
 
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
+from moelaunch.engine.static_decode import StaticDecode
+from moelaunch.engine.step_ops import StepOps
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 REPO = PACKAGE_ROOT.parent
@@ -82,6 +85,48 @@ def trace_decode_step(llm: LLM, batch: int) -> tuple[list[str], Counter]:
     for _ in range(2):
         llm.engine.step()  # the prompts' prefill, then a first decode step (lazy set-up done)
     return trace_step(llm)
+
+
+def decode_step_ops(llm: LLM, batch: int) -> tuple[StepOps, StepOps]:
+    """The ops of one decode engine step at `batch` sequences, taken as the engine is configured, then
+    of one through the static decode step (not compiled: the ops a compiled step would trace)."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-{batch}-{i}", [1, 5 + i % 50, 6, 7], params)
+    for _ in range(2):
+        engine.step()  # the prompts' prefill, then a first decode step (lazy set-up done)
+    with StepOps() as configured:
+        engine.step()
+    runner, before = engine.runner, engine.runner.static
+    runner.static = StaticDecode(
+        engine.model, engine.cache, batch, engine.max_model_len, llm.engine.mesh.device, False
+    )
+    try:
+        with StepOps() as static:
+            engine.step()
+    finally:
+        runner.static = before
+    while engine.has_unfinished():
+        engine.step()
+    return configured, static
+
+
+def print_step_profile(model: str, batch_sizes: tuple[int, ...], threads: int) -> None:
+    """Device ops (aten ops and custom-op calls; views and bare allocations left out) and host syncs of
+    one decode engine step per batch size: the engine as configured, then the static step."""
+    torch.set_num_threads(threads)
+    with LLM(model, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True) as llm:
+        layers = len(llm.engine.model.layer_ids())
+        print(
+            f"ops per decode engine step ({layers} layers; syncs: ops that read values back or give "
+            "value-dependent shapes; .tolist()/.cpu() on CPU tensors are not seen)"
+        )
+        print(f"{'batch':>5}  {'step':<8}  {'ops':>6}  {'per layer':>9}  syncs")
+        for batch in batch_sizes:
+            for name, ops in zip(("engine", "static"), decode_step_ops(llm, batch), strict=True):
+                syncs = ", ".join(f"{n} x{c}" for n, c in Counter(ops.syncs).most_common()) or "0"
+                print(f"{batch:>5}  {name:<8}  {ops.total:>6}  {ops.total / layers:>9.1f}  {syncs}")
 
 
 def main() -> None:

@@ -53,6 +53,7 @@ class BatchLayout:
     cache: PagedLatentCache | None = None
     block_tables: torch.Tensor | None = None  # [len(spans), max_blocks] block ids per span
     slots: torch.Tensor | None = None  # [N] flat cache slot of every token
+    static: bool = False  # a static decode step: device values only, shapes fixed by the batch bucket
 
     @property
     def n_tokens(self) -> int:
@@ -112,6 +113,25 @@ class BatchLayout:
         blocks = tables[span_of_token, positions // cache.block_size]
         slots = blocks * cache.block_size + positions % cache.block_size
         return cls(spans, positions.to(device), cache, tables.to(device), slots.to(device))
+
+    @classmethod
+    def static_decode(
+        cls,
+        positions: torch.Tensor,
+        cache: PagedLatentCache,
+        block_tables: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> BatchLayout:
+        """A decode-only batch of one token per row whose positions, tables, slots and lengths are
+        device tensors nothing reads back: the static decode step. Its spans give row offsets only
+        (start_pos is not known on the host); every layer takes the decode rows as they are."""
+        n = positions.shape[0]
+        spans = [SeqSpan(i, 1, 0) for i in range(n)]
+        layout = cls(spans, positions, cache, block_tables, slots, static=True)
+        rows = torch.arange(n, device=positions.device)
+        layout.decode_rows = DecodeRows(list(range(n)), rows, seq_lens, block_tables, every_row=True)
+        return layout
 
     @classmethod
     def rectangle(

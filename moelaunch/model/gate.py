@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelaunch import kernels
 from moelaunch.model.config import ModelArgs
 
 
@@ -31,22 +32,15 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-        if self.method != "greedy" and self.n_groups > 1:
-            choice = self._mask_groups(choice)
-        ids = choice.topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scale, ids
-
-    def _mask_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        grouped = choice.view(-1, self.n_groups, self.n_experts // self.n_groups)
-        if self.e_score_correction_bias is None:
-            group_scores = grouped.amax(dim=-1)
-        else:
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        keep = group_scores.topk(self.topk_groups, dim=-1).indices
-        mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)
-        return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).flatten(1)
+        grouped = self.method != "greedy" and self.n_groups > 1
+        groups, kept = (self.n_groups, self.topk_groups) if grouped else (1, 1)
+        return kernels.moe_route(
+            logits,
+            self.e_score_correction_bias,
+            self.top_k,
+            groups,
+            kept,
+            self.scoring == "sigmoid",
+            self.normalize,
+            self.scale,
+        )

@@ -73,14 +73,18 @@ class PagedLatentCache:
         width = args.kv_lora_rank + args.qk_rope_head_dim
         n = len(layer_ids)
         storage = kernels.FP8_KV_DTYPE if fp8 else dtype
+        # One block past the num_blocks handed out: the rows a static decode step pads its batch with
+        # write and read there, so they touch no sequence's tokens.
+        self.scratch_block = num_blocks
+        held = num_blocks + 1
         # Uninitialized: a slot is always written before any read covers it, and untouched pages of a
         # large CPU pool then cost no memory.
-        self.pool = torch.empty(n, num_blocks, block_size, width, dtype=storage, device=device)
-        shape = (n, num_blocks, block_size, kernels.SCALES_PER_TOKEN)
+        self.pool = torch.empty(n, held, block_size, width, dtype=storage, device=device)
+        shape = (n, held, block_size, kernels.SCALES_PER_TOKEN)
         self.scales = torch.empty(shape, dtype=torch.float32, device=device) if fp8 else None
         # Top-k block selection scores each full block by its mean latent, computed when the block fills.
         topk = self.sparse.topk_blocks is not None
-        self.block_means = torch.empty(n, num_blocks, width, device=device) if topk else None
+        self.block_means = torch.empty(n, held, width, device=device) if topk else None
 
     @staticmethod
     def bytes_per_token(args: ModelArgs, n_layers: int, dtype: torch.dtype, fp8: bool = False) -> int:
@@ -107,14 +111,12 @@ class PagedLatentCache:
     def store(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
         """Write tokens' latents ([N, C + P]) at flat slots (block * block_size + offset)."""
         i = self.slot_of_layer[layer]
-        flat = self.pool[i].view(-1, self.pool.shape[-1])
         if self.scales is None:
-            flat.index_copy_(0, slots, latent.to(flat.dtype))
+            kernels.store_rows(self.pool, i, slots, latent.to(self.pool.dtype))
         else:
             values, scales = kernels.quantize_latent(latent, self.kv_rank)
-            # index_copy_ has no fp8 kernel; the bytes are the same through a uint8 view.
-            flat.view(torch.uint8).index_copy_(0, slots, values.view(torch.uint8))
-            self.scales[i].view(-1, kernels.SCALES_PER_TOKEN).index_copy_(0, slots, scales)
+            kernels.store_rows(self.pool, i, slots, values)
+            kernels.store_rows(self.scales, i, slots, scales)
         if self.block_means is not None:
             # A block is full once its last slot is written (slots fill in order; a rejected speculative
             # token is rewritten before any later slot, so the mean is taken over the final values).

@@ -18,6 +18,23 @@ class MLP(nn.Module):
         self.gate_proj = shard.column(dim, inter_dim)
         self.up_proj = shard.column(dim, inter_dim)
         self.down_proj = shard.row(inter_dim, dim)
+        self.gate_up: torch.Tensor | None = None  # set by stack_gate_up(): [gate; up], one product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if self.gate_up is not None:
+            gate, up = kernels.linear(x, self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(kernels.silu_mul(gate, up))
+
+    @torch.no_grad()
+    def stack_gate_up(self) -> None:
+        """For inference: gate and up as one weight (one product per call instead of two); the two
+        projections' weights become views of it. Plain float weights only (quantized ones keep theirs)."""
+        gate, up = self.gate_proj, self.up_proj
+        if any(lin.quant is not None or lin.weight.element_size() < 2 for lin in (gate, up)):
+            return
+        self.gate_up = torch.cat([gate.weight, up.weight])
+        inter = gate.out_features
+        gate.weight = nn.Parameter(self.gate_up[:inter], requires_grad=False)
+        up.weight = nn.Parameter(self.gate_up[inter:], requires_grad=False)

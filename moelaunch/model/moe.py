@@ -46,13 +46,55 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
+        """static: route on the device only (no host sync, shapes fixed by x's), as the static decode
+        step needs; eager steps take that path too wherever it is the one they would take anyway."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if static or self._small_batch_on_device(x):
+            weights, ids = self.gate(x)
+            return self.run_on_device(x, weights, ids, shared).view(shape)
         mine = self.dispatch.rows(x)
         weights, ids = self.gate(mine)
         return self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0]).view(shape)
+
+    @property
+    def routes_on_device(self) -> bool:
+        """Whether run_on_device can serve this layer: a dispatcher that can, float weights stacked
+        (integer experts keep the path that reads counts back)."""
+        return self.dispatch.routes_on_device and self.gate_up is not None and self.gate_up.quant is None
+
+    def _small_batch_on_device(self, x: torch.Tensor) -> bool:
+        # No expert can get more rows than x has: where run_grouped would pick the kernel for any
+        # routing, the device path gives the same result without reading counts back.
+        return (
+            isinstance(self.dispatch, LocalDispatch)
+            and self.gate_up is not None
+            and self.gate_up.quant is None
+            and kernels.uses_grouped_linear_kernel(x, x.shape[0], self.gate_up.weight, STACKED_MAX_ROWS)
+        )
+
+    def run_on_device(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The routed experts with counts and offsets kept on the device (the dispatcher sorts the
+        (token, expert) pairs by expert; `run_by_offsets` finds each expert's rows by its offsets)."""
+        if not self.routes_on_device:
+            raise RuntimeError(
+                "run_on_device needs stacked experts (stack_experts) and a dispatcher whose ranks all see "
+                "the same rows (one process, or expert parallelism inside one tensor-parallel group)"
+            )
+        return self.dispatch.route_on_device(x, weights, ids, self.run_by_offsets, shared)
+
+    def run_by_offsets(
+        self, x_sorted: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor, most_rows: int
+    ) -> torch.Tensor:
+        """Local expert e on rows offsets[e]:offsets[e+1] of x_sorted: the grouped kernel, else every
+        expert padded to `most_rows`, the most any can get."""
+        if kernels.grouped_linear_on_cpu(x_sorted, self.gate_up.weight):
+            return self.run_grouped_kernel(x_sorted, offsets)
+        return self.run_stacked(x_sorted, sorted_ids, offsets[:-1], most_rows)
 
     def stack_experts(self) -> None:
         """Stack the local experts' weights for inference on small batches (see run_grouped).
@@ -79,14 +121,20 @@ class MoE(nn.Module):
         if stack is not None and stack.quant is not None:
             # Integer experts: the kernels read them as stored; the torch path dequantizes them per call.
             if kernels.int_linear_on_cpu(x_sorted):
-                return self.run_grouped_kernel(x_sorted, local_counts)
+                return self.run_grouped_kernel(
+                    x_sorted, torch.tensor(list(accumulate(local_counts, initial=0)))
+                )
         elif stack is not None:
             if kernels.uses_grouped_linear_kernel(x_sorted, largest, stack.weight, STACKED_MAX_ROWS):
-                return self.run_grouped_kernel(x_sorted, local_counts)
+                return self.run_grouped_kernel(
+                    x_sorted, torch.tensor(list(accumulate(local_counts, initial=0)))
+                )
             busy = sum(n > 0 for n in local_counts)
             # Stacked only when most experts have rows: the batched GEMM reads every expert's weights.
             if 2 * busy >= len(local_counts) and largest <= STACKED_MAX_ROWS:
-                return self.run_stacked(x_sorted, local_counts)
+                rows = torch.tensor(local_counts, device=x_sorted.device)
+                group = torch.arange(len(local_counts), device=x_sorted.device).repeat_interleave(rows)
+                return self.run_stacked(x_sorted, group, rows.cumsum(0) - rows, largest)
         out = torch.empty_like(x_sorted)
         start = 0
         for j, n in enumerate(counts):
@@ -95,23 +143,23 @@ class MoE(nn.Module):
                 start += n
         return out
 
-    def run_grouped_kernel(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
-        """run_grouped through the CPU grouped-linear kernel: no padding, idle experts' weights unread."""
-        offsets = torch.tensor(list(accumulate(local_counts, initial=0)))
+    def run_grouped_kernel(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The local experts through the CPU grouped kernels (float or integer), local expert e on rows
+        offsets[e]:offsets[e+1]: no padding, idle experts' weights unread."""
         gate, up = self.gate_up.grouped(x_sorted, offsets).chunk(2, dim=-1)
         return self.down.grouped(kernels.silu_mul(gate, up), offsets)
 
-    def run_stacked(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
-        """run_grouped as two batched GEMMs: each local expert's rows zero-padded to the largest group."""
-        n_local, width = len(local_counts), max(local_counts)
-        counts = torch.tensor(local_counts, device=x_sorted.device)
+    def run_stacked(
+        self, x_sorted: torch.Tensor, group: torch.Tensor, first_row: torch.Tensor, width: int
+    ) -> torch.Tensor:
+        """The local experts as two batched GEMMs: row i of x_sorted belongs to local expert group[i],
+        whose rows start at first_row[group[i]]; each expert's rows zero-padded to `width`."""
+        gate_up_w, down_w = self.gate_up.weight, self.down.weight
+        n_local = gate_up_w.shape[0]
         # Row i of expert e's group goes to padded slot e * width + i.
-        group = torch.arange(n_local, device=x_sorted.device).repeat_interleave(counts)
-        first_row = counts.cumsum(0) - counts
         slot = group * width + torch.arange(x_sorted.shape[0], device=x_sorted.device) - first_row[group]
         padded = x_sorted.new_zeros(n_local * width, x_sorted.shape[1])
         padded[slot] = x_sorted
-        gate_up_w, down_w = self.gate_up.weight, self.down.weight
         # In the weights' dtype (bf16 weights under fp32 activations on the CPU: a bf16 batched GEMM).
         padded = padded.to(gate_up_w.dtype).view(n_local, width, -1)
         gate_up = torch.bmm(padded, gate_up_w.transpose(1, 2)).flatten(0, 1)

@@ -48,7 +48,9 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         if x.shape[0]:  # a rank with no tokens skips attention but still joins the MoE exchange
             x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, layout, self.layer_id, impl)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        # A static step routes MoE rows on the device (no counts read back).
+        return x + (self.mlp(h, static=True) if layout.static and isinstance(self.mlp, MoE) else self.mlp(h))
 
 
 class SharedHead(nn.Module):
@@ -133,10 +135,15 @@ class Transformer(nn.Module):
         return [int(i) for i in self.model.layers] + [layer.layer_id for layer in self.mtp]
 
     def stack_experts(self) -> None:
-        """Stack every MoE layer's routed experts for fast small-batch inference (MoE.stack_experts)."""
+        """For fast small-batch inference: every MoE layer's routed experts stacked (MoE.stack_experts),
+        and every other MLP's gate and up projections as one (MLP.stack_gate_up)."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.stack_experts()
+        routed = {id(mlp) for m in self.modules() if isinstance(m, MoE) for mlp in m.experts.values()}
+        for module in self.modules():
+            if isinstance(module, MLP) and id(module) not in routed:
+                module.stack_gate_up()
 
     def compute_dtype(self) -> torch.dtype:
         # Norm weights are never quantized: their dtype is the compute dtype.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moelaunch.model.expert_dispatch import RunExperts, combine_expert_outputs
+from moelaunch.model.expert_dispatch import RunByOffsets, RunExperts, combine_expert_outputs, sort_by_expert
 from moelaunch.parallel.group import Group
 
 
@@ -67,6 +67,13 @@ class AllToAllDispatch:
         self.n_experts = len(placement.owners)
         self.ep = ep
         self.tp = tp
+        # Without data parallelism every EP rank holds the same rows: each can apply its own experts to
+        # all of them and one all-reduce sums the results, with fixed shapes (route_on_device).
+        self.routes_on_device = ep.ranks == tp.ranks
+        # On the CPU whatever the default device (models are built on meta); moved on first use.
+        local = torch.full((self.n_experts,), -1, dtype=torch.long, device="cpu")
+        local[self.expert_ids] = torch.arange(len(self.expert_ids), device="cpu")
+        self.local_index = local  # global expert id -> position among this rank's experts, or -1
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         share = -(-x.shape[0] // self.tp.size)  # rows per TP rank, the last share padded
@@ -110,6 +117,28 @@ class AllToAllDispatch:
         padded[: routed.shape[0]] = routed
         routed = self.tp.all_gather_cat(padded, dim=0)[:n_rows]
         return routed if base is None else routed + base
+
+    def route_on_device(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        run: RunByOffsets,
+        base: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Every row through this rank's experts, the pairs of other ranks' experts weighted 0 (and run
+        through local expert 0 so that their outputs are finite), then the sum over the group."""
+        if not self.routes_on_device:
+            raise RuntimeError("route_on_device needs every EP rank to hold the same rows (dp=1)")
+        if self.local_index.device != ids.device:
+            self.local_index = self.local_index.to(ids.device)
+        local = self.local_index[ids]
+        mine = local >= 0
+        order, sorted_ids, offsets = sort_by_expert(local.clamp(min=0), len(self.expert_ids))
+        y = run(x.index_select(0, order // ids.shape[1]), sorted_ids, offsets, ids.numel())
+        # The shared experts' output (base) is whole on every rank: added once, on the first.
+        partial = combine_expert_outputs(y, order, weights * mine, base if self.ep.index == 0 else None)
+        return self.ep.all_reduce(partial)
 
     def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor, run: RunExperts) -> torch.Tensor:
         """Apply each row's expert; rows from different senders are regrouped by expert first."""

@@ -22,6 +22,9 @@ torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tens
 torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
                               int64_t path);
 int64_t int_kernel_best_path();
+std::vector<torch::Tensor> moe_route_cpu(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t top_k,
+                                         int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize,
+                                         double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU",
@@ -42,4 +45,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear_cpu", &int4_linear_cpu, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");
   m.def("w8a8_linear_cpu", &w8a8_linear_cpu, "int8 x (quantized per row) @ int8 q^T, both scales");
   m.def("int_kernel_best_path", &int_kernel_best_path, "the fastest integer-kernel path this build has");
+  m.def("moe_route_cpu", &moe_route_cpu, "MoE router after its GEMM: scores, groups, top-k, weights");
 }

@@ -78,6 +78,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--quantization", choices=QUANTIZATIONS, default="none", help="this engine's projections, at load"
     )
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="this engine's cache")
+    p.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="engine.compile for this engine: torch.compile the static decode step",
+    )
+    p.add_argument(
+        "--step-profile",
+        action="store_true",
+        help="instead of the workloads: device ops and host syncs of one decode step per --batch-sizes "
+        "entry, the eager step and the static one",
+    )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
     p.set_defaults(func=run)
     targets = p.add_subparsers(dest="target", metavar="serve")
@@ -183,6 +195,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give --model DIR (or --make-model DIR to create a bench checkpoint first)")
     if not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(f"{args.model}/config.json not found: --model must be a checkpoint directory")
+    if args.step_profile:
+        from moelaunch.measure.step_trace import print_step_profile
+
+        print_step_profile(args.model, args.batch_sizes, args.threads)
+        return 0
     check_bench_args(args)
     from moelaunch.measure.bench.suite import BenchOptions, run_suite
 
@@ -205,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        compile=args.compile,
     )
     result = run_suite(opts)
     print(results_table(result["results"]))

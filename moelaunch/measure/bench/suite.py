@@ -54,6 +54,7 @@ class BenchOptions:
     dtype: str = "float32"
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    compile: str = "auto"  # engine.compile for this engine
 
 
 def build_cases(opts: BenchOptions, vocab_size: int, seed: int | None = None) -> list[Case]:
@@ -95,7 +96,12 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
         "max_num_seqs": max(256, *(len(c.requests) for c in per_round[0])),
         "kv_cache_memory": opts.kv_cache_memory,
     }
-    ours = {"dtype": opts.dtype, "quantization": opts.quantization, "kv_cache_dtype": opts.kv_cache_dtype}
+    ours = {
+        "dtype": opts.dtype,
+        "quantization": opts.quantization,
+        "kv_cache_dtype": opts.kv_cache_dtype,
+        "compile": opts.compile,
+    }
     systems: dict[str, Any] = {OURS: ours}
     rounds: dict[str, list[CaseResults]] = {}
     threads_before = torch.get_num_threads()

@@ -1,0 +1,176 @@
+"""The static decode step: a decode-only batch's whole forward (embedding, every layer, final norm, LM
+head) as one function over a preallocated device buffer padded to a batch bucket, reading nothing back.
+
+The host writes each step's token ids, positions, cache slots, lengths and block tables into one
+(pinned) tensor per bucket, copied into the bucket's device buffer in one transfer; the function reads
+only that buffer, so its shapes depend on the bucket alone. Padding rows decode token 0 at position 0
+in the cache's scratch block (`PagedLatentCache.scratch_block`), touching no sequence.
+
+That makes it compile with torch.compile(fullgraph=True, dynamic=False), one graph per bucket, and
+capture on CUDA as one CUDA graph per bucket (`cuda_graphs.capture`). Batches above the largest
+bucket, prefill and mixed steps, MTP drafts, pipeline stages, top-k block attention and expert
+parallelism across data-parallel replicas (its all-to-all has uneven, host-read counts; EP inside one
+tensor-parallel group sums the experts with an all-reduce instead) stay eager.
+
+Sampling runs after the step on the returned logits (engine/sampler.py). A device sampler with
+per-row parameters as tensors can be appended at the end of `forward` (its parameters one more
+buffer per bucket), so that only token ids come back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+
+from moelaunch.engine.config import EngineConfig
+from moelaunch.engine.cuda_graphs import capture
+from moelaunch.engine.scheduler import ScheduledChunk
+from moelaunch.engine.step_ops import StepOps
+from moelaunch.model.batch import BatchLayout
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.moe import MoE
+from moelaunch.model.transformer import Transformer
+
+# Columns of a bucket's buffer before the block table: token id, position, cache slot, length.
+FIELDS = 4
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes a step is padded to: 1, 2, 4, 8, then steps of 8, up to the first that holds
+    max_num_seqs."""
+    sizes = [1, 2, 4, *range(8, max_num_seqs + 8, 8)]
+    return [b for b in sizes if b < max_num_seqs] + [next(b for b in sizes if b >= max_num_seqs)]
+
+
+def static_decode_supported(model: Transformer, cache: PagedLatentCache, single_stage: bool) -> str | None:
+    """Why this model shard cannot take the static step, or None when it can."""
+    if not single_stage:
+        return "pipeline stages exchange hidden states between steps"
+    if cache.sparse.topk_blocks is not None:
+        return "top-k block attention selects blocks from values"
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if any(not m.routes_on_device for m in moes):
+        return "experts spread over data-parallel replicas (dp > 1), or not stacked (FP8 or integer experts)"
+    return None
+
+
+class StaticDecode:
+    """One buffer and one step function per bucket; `run` pads a decode-only batch into the smallest
+    bucket that holds it."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        cache: PagedLatentCache,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device,
+        compile: bool,
+        sizes: list[int] | None = None,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self.buckets = sorted(sizes) if sizes else decode_buckets(max_num_seqs)
+        self.width = -(-max_model_len // cache.block_size)  # block table columns
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.hosts: dict[int, torch.Tensor] = {}
+        self.strict = os.environ.get("MOELAUNCH_STRICT_DECODE") == "1"
+        self.step_fn: Callable[[torch.Tensor], torch.Tensor] = self.forward
+        if compile:
+            # One graph per bucket: the same function recompiles once per batch shape.
+            dynamo = torch._dynamo.config
+            dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets))
+            dynamo.accumulated_recompile_limit = max(
+                dynamo.accumulated_recompile_limit, 4 * len(self.buckets)
+            )
+            self.step_fn = torch.compile(self.forward, fullgraph=True, dynamic=False)
+        self.replay: Callable[[int], torch.Tensor] | None = None  # set by CUDA graph capture
+
+    def takes(self, chunks: list[ScheduledChunk]) -> bool:
+        """Decode-only (one token per sequence, no draft), and within the largest bucket."""
+        return 0 < len(chunks) <= self.buckets[-1] and all(c.length == 1 and not c.draft for c in chunks)
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def buffer(self, bucket: int) -> torch.Tensor:
+        """The bucket's device buffer, made (every row padding) on first use."""
+        if bucket not in self.buffers:
+            size = bucket * (FIELDS + self.width)
+            pin = self.device.type == "cuda"
+            self.hosts[bucket] = torch.empty(size, dtype=torch.long, pin_memory=pin)
+            self.fill(bucket, [])
+            self.buffers[bucket] = self.hosts[bucket].to(self.device)
+        return self.buffers[bucket]
+
+    def fill(self, bucket: int, chunks: list[ScheduledChunk]) -> None:
+        """Write the chunks' rows, then padding rows, into the bucket's host tensor."""
+        host = self.hosts[bucket].numpy()
+        fields = host[: FIELDS * bucket].reshape(FIELDS, bucket)
+        tables = host[FIELDS * bucket :].reshape(bucket, self.width)
+        bs, scratch = self.cache.block_size, self.cache.scratch_block
+        tables[:] = scratch
+        fields[0], fields[1], fields[2], fields[3] = 0, 0, scratch * bs, 1
+        for i, c in enumerate(chunks):
+            pos, blocks = c.start, c.seq.block_ids
+            fields[0, i] = c.seq.tokens[pos]
+            fields[1, i] = pos
+            fields[2, i] = blocks[pos // bs] * bs + pos % bs
+            fields[3, i] = pos + 1
+            tables[i, : len(blocks)] = blocks
+
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [len(chunks), vocab] of the chunks' next tokens, on the device."""
+        n = len(chunks)
+        bucket = self.bucket(n)
+        buf = self.buffer(bucket)
+        self.fill(bucket, chunks)
+        buf.copy_(self.hosts[bucket], non_blocking=True)
+        if self.replay is not None:
+            return self.replay(bucket)[:n]
+        if self.strict:
+            with StepOps(strict=True):
+                return self.step_fn(buf)[:n]
+        return self.step_fn(buf)[:n]
+
+    def forward(self, buf: torch.Tensor) -> torch.Tensor:
+        """The step over one bucket's buffer: fp32 logits [bucket, vocab]."""
+        bucket = buf.shape[0] // (FIELDS + self.width)
+        ids, positions, slots, seq_lens = buf[: FIELDS * bucket].view(FIELDS, bucket)
+        tables = buf[FIELDS * bucket :].view(bucket, self.width)
+        layout = BatchLayout.static_decode(positions, self.cache, tables, slots, seq_lens)
+        model = self.model
+        return model.head(model.final_norm(model.run_layers(model.embed(ids), layout)))
+
+
+def build_static_decode(
+    config: EngineConfig,
+    model: Transformer,
+    cache: PagedLatentCache,
+    device: torch.device,
+    single_stage: bool,
+    max_model_len: int,
+    use_mtp: bool,
+) -> StaticDecode | None:
+    """The static step when compile or CUDA graphs ask for it (or MOELAUNCH_STRICT_DECODE=1, which
+    checks it for syncs) and this shard can take it; None keeps every step eager."""
+    on_cuda = device.type == "cuda"
+    compile = config.compile == "on" or (config.compile == "auto" and on_cuda)
+    graphs = on_cuda and (config.cuda_graphs if config.cuda_graphs is not None else True)
+    if not (compile or graphs or os.environ.get("MOELAUNCH_STRICT_DECODE") == "1"):
+        return None
+    reason = "MTP drafts every step" if use_mtp else static_decode_supported(model, cache, single_stage)
+    if reason is not None:
+        print(f"moelaunch: decode steps stay eager ({reason})", file=sys.stderr)
+        return None
+    static = StaticDecode(
+        model, cache, config.max_num_seqs, max_model_len, device, compile, config.cuda_graph_sizes
+    )
+    if graphs:
+        buffers = {b: static.buffer(b) for b in static.buckets}
+        static.replay = capture(static.step_fn, buffers, device)
+    return static

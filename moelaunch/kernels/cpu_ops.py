@@ -1,0 +1,161 @@
+"""The C++ CPU kernels (csrc/) as torch custom ops, `torch.ops.moelaunch.<name>`, each with a fake
+implementation that gives its output's shape and dtype, so torch.compile traces through them as one op
+each and a dispatch mode sees each call as one op.
+
+Eager calls outside any trace go to the extension's function directly (`cpu_kernel`): a registered
+op's Python dispatch costs ~14 us a call, which small-model decode steps feel at ~60 calls per step.
+
+A new kernel follows the same pattern: bind it in csrc/bindings.cpp, define it here with
+`torch.library.custom_op("moelaunch::<name>", mutates_args=(...))` calling `_ext().<name>`, give it a
+`register_fake` (output shapes from input shapes only), and call it through `cpu_kernel("<name>")`.
+A kernel that writes into an input declares it in mutates_args and returns nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from moelaunch.kernels import cpu_extension
+
+
+def _ext() -> ModuleType:
+    return cpu_extension.require()
+
+
+def traced() -> bool:
+    """Whether kernel calls must go through the registered ops: torch.compile is tracing, or a
+    TorchDispatchMode (fake tensors, an op counter, the sync guard) is watching."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
+def cpu_kernel(name: str) -> Callable:
+    """The C++ kernel `name`: its registered op while traced, else the extension's function."""
+    if traced():
+        return getattr(torch.ops.moelaunch, name)
+    return getattr(_ext(), name)
+
+
+@torch.library.custom_op("moelaunch::grouped_linear_cpu", mutates_args=())
+def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    return _ext().grouped_linear_cpu(x, weight, offsets)
+
+
+@grouped_linear_cpu.register_fake
+def _(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::paged_mla_decode_cpu", mutates_args=())
+def paged_mla_decode_cpu(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    starts: Tensor | None,
+) -> Tensor:
+    return _ext().paged_mla_decode_cpu(q_latent, q_pe, cache, block_table, seq_lens, scale, starts)
+
+
+@paged_mla_decode_cpu.register_fake
+def _(q_latent, q_pe, cache, block_table, seq_lens, scale, starts) -> Tensor:
+    return q_latent.new_empty(q_latent.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::paged_mla_decode_fp8_cpu", mutates_args=())
+def paged_mla_decode_fp8_cpu(
+    q_latent: Tensor,
+    q_pe: Tensor,
+    cache: Tensor,
+    cache_scales: Tensor,
+    block_table: Tensor,
+    seq_lens: Tensor,
+    scale: float,
+    starts: Tensor | None,
+) -> Tensor:
+    return _ext().paged_mla_decode_fp8_cpu(
+        q_latent, q_pe, cache, cache_scales, block_table, seq_lens, scale, starts
+    )
+
+
+@paged_mla_decode_fp8_cpu.register_fake
+def _(q_latent, q_pe, cache, cache_scales, block_table, seq_lens, scale, starts) -> Tensor:
+    return q_latent.new_empty(q_latent.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::rms_norm_cpu", mutates_args=())
+def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _ext().rms_norm_cpu(x, weight, eps)
+
+
+@rms_norm_cpu.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("moelaunch::mla_latent_cpu", mutates_args=("latent",))
+def mla_latent_cpu(
+    latent: Tensor, weight: Tensor, eps: float, cos: Tensor, sin: Tensor, interleaved: bool
+) -> None:
+    _ext().mla_latent_cpu(latent, weight, eps, cos, sin, interleaved)
+
+
+@mla_latent_cpu.register_fake
+def _(latent, weight, eps, cos, sin, interleaved) -> None:
+    return None
+
+
+@torch.library.custom_op("moelaunch::rotate_tail_cpu", mutates_args=("x",))
+def rotate_tail_cpu(x: Tensor, cos: Tensor, sin: Tensor, p: int, interleaved: bool) -> None:
+    _ext().rotate_tail_cpu(x, cos, sin, p, interleaved)
+
+
+@rotate_tail_cpu.register_fake
+def _(x, cos, sin, p, interleaved) -> None:
+    return None
+
+
+@torch.library.custom_op("moelaunch::silu_mul_cpu", mutates_args=())
+def silu_mul_cpu(gate: Tensor, up: Tensor) -> Tensor:
+    return _ext().silu_mul_cpu(gate, up)
+
+
+@silu_mul_cpu.register_fake
+def _(gate: Tensor, up: Tensor) -> Tensor:
+    return gate.new_empty(gate.shape[0], gate.shape[1])
+
+
+@torch.library.custom_op("moelaunch::moe_combine_cpu", mutates_args=())
+def moe_combine_cpu(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
+    return _ext().moe_combine_cpu(y, slot, weights, base)
+
+
+@moe_combine_cpu.register_fake
+def _(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
+    return y.new_empty(slot.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("moelaunch::moe_route_cpu", mutates_args=())
+def moe_route_cpu(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    weights, ids = _ext().moe_route_cpu(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale)
+    return weights, ids
+
+
+@moe_route_cpu.register_fake
+def _(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale) -> tuple[Tensor, Tensor]:
+    rows = logits.shape[0]
+    return logits.new_empty(rows, top_k), logits.new_empty(rows, top_k, dtype=torch.long)

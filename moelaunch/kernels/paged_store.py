@@ -1,0 +1,37 @@
+"""Writing tokens' rows into one layer of a paged cache pool, as a custom op that mutates the pool.
+
+As plain `pool[layer].view(-1, W).index_copy_(...)` inside a compiled step, the write to a view of a
+graph input is functionalized into a copy of the whole layer's pool, twice per layer; as an op that
+declares the pool mutated, the compiled step writes in place. Eager calls outside a trace skip the
+op's dispatch, as `cpu_ops.cpu_kernel` does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moelaunch.kernels.cpu_ops import traced
+
+
+def _store(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
+    flat = pool[layer].view(-1, pool.shape[-1])
+    if flat.dtype.itemsize == 1:  # fp8: index_copy_ has no fp8 kernel; the bytes are the same as uint8
+        flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+    flat.index_copy_(0, slots, rows)
+
+
+@torch.library.custom_op("moelaunch::store_rows", mutates_args=("pool",))
+def _store_op(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
+    _store(pool, layer, slots, rows)
+
+
+@_store_op.register_fake
+def _(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
+    return None
+
+
+def store_rows(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
+    """pool [layers, blocks, block_size, W]: rows [N, W] (pool's dtype) into layer `layer` at flat slots
+    (block * block_size + offset)."""
+    (_store_op if traced() else _store)(pool, layer, slots, rows)

@@ -1,0 +1,81 @@
+"""The kernels as torch custom ops: torch.compile(fullgraph=True) traces each call as one op of the
+graph (the C++ CPU kernels; the Triton ones under the interpreter), with the eager result."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import Tensor
+
+from moelaunch import kernels
+
+
+def compiled_ops(fn, *args) -> tuple[object, set[str]]:
+    """fn compiled with fullgraph=True (any graph break raises): its result and the moelaunch ops in its
+    graph."""
+    seen: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        names = (str(n.target).removesuffix(".default") for n in gm.graph.nodes)
+        seen.update(n.removeprefix("moelaunch.") for n in names if n.startswith("moelaunch."))
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args), seen
+
+
+def decode_layer_pieces(x: Tensor, w: Tensor, norm: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """A few of a decode layer's kernel calls: linear, RMSNorm, the in-place latent and rotary steps,
+    SiLU gating, grouped experts, the router and the experts' weighted sum."""
+    h = kernels.rms_norm(kernels.linear(x, w), norm, 1e-6)
+    latent = kernels.mla_latent(h.clone(), norm[:24], 1e-6, cos, sin, True)
+    rotated = kernels.rotate_tail(h.clone().view(-1, 4, 8), cos, sin, 8, True).flatten(1)
+    gate, up = h.chunk(2, dim=-1)
+    act = kernels.silu_mul(gate.contiguous(), up.contiguous())
+    offsets = torch.tensor([0, 1, 3])
+    y = kernels.grouped_linear(act, torch.stack([w[:, :16], w[:, 16:]]), offsets)
+    weights, slot = kernels.moe_route(x[:, :4].contiguous(), norm[:4], 2, 2, 1, True, True, 2.5)
+    return kernels.moe_combine(y, slot % 3, weights, latent + rotated)
+
+
+@torch.inference_mode()
+def test_cpu_kernels_trace_as_custom_ops():
+    if not kernels.prepare_cpu_kernels():
+        pytest.fail("the CPU kernels did not build")
+    torch.manual_seed(0)
+    args = (torch.randn(3, 32), torch.randn(32, 32), torch.rand(32) + 0.5, torch.rand(3, 4), torch.rand(3, 4))
+    out, ops = compiled_ops(decode_layer_pieces, *args)
+    names = {"rms_norm_cpu", "mla_latent_cpu", "rotate_tail_cpu", "silu_mul_cpu", "grouped_linear_cpu"}
+    assert ops == names | {"moe_route_cpu", "moe_combine_cpu"}
+    torch.testing.assert_close(out, decode_layer_pieces(*args), rtol=0, atol=0)
+
+
+@torch.inference_mode()
+def test_paged_mla_decode_traces_as_one_op():
+    torch.manual_seed(1)
+    q, pe = torch.randn(2, 4, 16), torch.randn(2, 4, 8)
+    cache, table, lens = torch.randn(5, 4, 24), torch.tensor([[3, 1], [0, 4]]), torch.tensor([6, 3])
+    out, ops = compiled_ops(lambda *a: kernels.paged_mla_decode(*a, 0.3), q, pe, cache, table, lens)
+    assert ops == {"paged_mla_decode_cpu"}
+    torch.testing.assert_close(out, kernels.paged_mla_decode(q, pe, cache, table, lens, 0.3), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton runs on CPU tensors only interpreted"
+)
+@torch.inference_mode()
+def test_triton_kernels_trace_as_custom_ops(monkeypatch):
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    torch.manual_seed(2)
+    w, s = kernels.weight_quant(torch.randn(128, 256))
+    x = torch.randn(3, 256)
+    out, ops = compiled_ops(lambda *a: kernels.fp8_linear(*a), x, w, s)
+    assert ops == {"act_quant_triton", "fp8_gemm_triton"}
+    torch.testing.assert_close(out, kernels.fp8_linear(x, w, s), rtol=0, atol=0)
+    q, pe = torch.randn(2, 4, 16), torch.randn(2, 4, 16)
+    cache, table, lens = torch.randn(5, 16, 32), torch.tensor([[3, 1], [0, 4]]), torch.tensor([20, 9])
+    out, ops = compiled_ops(lambda *a: kernels.paged_mla_decode(*a, 0.3), q, pe, cache, table, lens)
+    assert ops == {"paged_mla_decode_triton"}
+    torch.testing.assert_close(out, kernels.paged_mla_decode(q, pe, cache, table, lens, 0.3), rtol=0, atol=0)
