@@ -39,6 +39,10 @@ class DecodeHeadWeights:
 
     def get(self, w_uk: Tensor, w_uv: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
         """w_uk [H, nope, C] and w_uv [H, v, C] (views of `source`, the kv_b weight)."""
+        if torch.compiler.is_compiling():
+            # A traced step cannot key a cache on data pointers: the stacks are made in the graph (the
+            # grouped kernel runs only on the CPU, where compile is off unless asked for).
+            return w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()
         key = (w_uk.dtype, source.data_ptr())
         if self._stacks is None or self._key != key:
             self._key = key
