@@ -104,10 +104,8 @@ def test_rounds_draw_fresh_prompts():
 
 @pytest.mark.parametrize(
     ("args", "says"),
-    [(["--range-ratio", "2"], "--range-ratio 2.0: give a value in [0, 1)"),
-     (["--input-len", "100000"], "exceed the model's"),
-     (["--vllm-venv", "/nowhere"], "--vllm-venv /nowhere: no bin/python"),
-     (["--num-requests", "0"], "--num-requests 0: give 1 or more")],
+    [(["--input-len", "100000"], "exceed the model's"),
+     (["--vllm-venv", "/nowhere"], "--vllm-venv /nowhere: no bin/python")],
 )  # fmt: skip
 def test_bad_bench_options_fail_before_anything_runs(bench_model, capsys, args, says):
     assert main(["bench", "--model", str(bench_model), *args]) == 1

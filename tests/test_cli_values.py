@@ -1,6 +1,6 @@
 """Numbers given on the command line are checked by argparse as what they count (a count >= 1, a rate
 > 0, a fraction, a sampling value as SamplingParams takes it), so a bad one is the usage line and exit 2
-before anything loads."""
+before anything loads; and no plain int or float option is left unchecked in any subcommand."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ BAD = [
     ["prune", "m", "o", "--sparsity", "1.5"],
     ["eval", "--n", "0"],
     ["convert", "quantize-int4", "s", "d", "--group-size", "0"],
+    ["bench", "--range-ratio", "2"],
+    ["bench", "--num-requests", "0"],
+    ["bench", "serve", "--url", "u", "--request-rate", "nan"],
+    ["report", "--batch", "0"],
+    ["report", "--n-problems", "0"],
 ]
 
 
@@ -36,6 +41,27 @@ def test_a_bad_number_is_a_usage_error(argv, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {argv[-2]}" in err and "Traceback" not in err
+
+
+def option_types() -> dict[str, object]:
+    """Every option of every subcommand (nested ones too) with its argparse type."""
+    found: dict[str, object] = {}
+
+    def walk(name: str, parser: argparse.ArgumentParser) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, subparser in action.choices.items():
+                    walk(f"{name} {sub}".strip(), subparser)
+            elif action.option_strings:
+                found[f"{name} {action.option_strings[-1]}"] = action.type
+
+    walk("", build_parser())
+    return found
+
+
+def test_no_subcommand_takes_an_unchecked_int_or_float():
+    unchecked = sorted(name for name, kind in option_types().items() if kind in (int, float))
+    assert unchecked == [], f"give these a checked type (commands/__init__.py): {unchecked}"
 
 
 @settings(max_examples=200, deadline=None)
@@ -49,3 +75,19 @@ def test_a_sampling_flag_takes_what_a_request_takes(field, text):
     except argparse.ArgumentTypeError:
         return
     SamplingParams(**{field: value})  # whatever the flag took, a request takes too
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["engine.kv_cache_memory=1"], "engine.kv_cache_memory: given 1"),
+        (["job.max_tokens=100000"], "job.max_tokens: given 100000"),
+    ],
+)
+def test_engine_limits_a_deployment_cannot_run_are_refused_by_the_plan(capsys, overrides, says):
+    """A cache that cannot hold one sequence (the plan used to say "fits"), and a job max_tokens no request
+    could reach (it used to be clamped silently)."""
+    from moelaunch.launcher.cli import main
+
+    assert main(["plan", *[arg for o in overrides for arg in ("--set", o)]]) == 1
+    assert says in capsys.readouterr().err

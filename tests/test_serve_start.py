@@ -62,8 +62,9 @@ def test_the_readme_claims_about_the_server_hold(tmp_path, monkeypatch):
     config = tmp_path / "serve.yaml"
     config.write_text(
         f"model: {BUNDLED}\nserver: {{port: {port}}}\njob: {{mode: serve}}\n"
-        # 12 blocks of 4 tokens: 8 requests of ~40 tokens cannot all be resident at once
-        "engine: {speculative: mtp, block_size: 4, kv_cache_memory: 200000, max_num_seqs: 8}\n"
+        # ~30 blocks of 4 tokens: 8 requests of ~40 tokens cannot all be resident at once
+        "engine: {speculative: mtp, block_size: 4, kv_cache_memory: 250000, max_num_seqs: 8, "
+        "max_model_len: 128}\n"
     )
     with served(config, port) as server:
         url = server["url"]

@@ -47,6 +47,8 @@ def _flash_cpu(q, k, v, scale, causal, mask) -> tuple[torch.Tensor, torch.Tensor
     # values are narrower than its keys, so they are zero-padded (extra output columns, sliced off).
     dv = v.shape[-1]
     width = max(q.shape[-1], dv)
+    # one dtype for the three (a bf16 cache under fp32 activations: the keys come as stored)
+    k, v = k.to(q.dtype), v.to(q.dtype)
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
     if mask is not None:
         mask = mask.to(q.dtype)

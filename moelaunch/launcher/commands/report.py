@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from moelaunch.launcher.commands import count
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.report.measure import ENTRY_PREFIX, Entry, MeasureSpec, Workload
 from moelaunch.measure.report.methods import DISTILLED, METHODS, Method
@@ -36,12 +37,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--student", type=Path, help="a distilled checkpoint (`launch distill`) to report too")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when there is a GPU")
     p.add_argument("--out", type=Path, default=Path("report"), help="output directory (default: %(default)s)")
-    p.add_argument("--input-len", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8, help="batch size of the throughput run")
-    p.add_argument("--n-problems", type=int, default=200, help="task-family problems scored for accuracy")
+    p.add_argument("--input-len", type=count, default=256)
+    p.add_argument("--output-len", type=count, default=128)
+    p.add_argument("--batch", type=count, default=8, help="batch size of the throughput run")
+    p.add_argument("--n-problems", type=count, default=200, help="task-family problems scored for accuracy")
     p.add_argument(
-        "--kv-cache-memory", type=int, default=Workload.kv_cache_memory, help="bytes, every method"
+        "--kv-cache-memory", type=count, default=Workload.kv_cache_memory, help="bytes, every method"
     )
     p.set_defaults(func=run)
 
@@ -51,9 +52,6 @@ def _check(args: argparse.Namespace) -> Workload:
     vocab = load_args(args.model).vocab_size  # a missing or broken checkpoint fails here
     if args.student is not None:
         load_args(args.student)
-    for name in ("input_len", "output_len", "batch", "kv_cache_memory"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     if not 1 <= args.n_problems <= HELD_OUT_SIZE:
         raise ValueError(f"--n-problems {args.n_problems}: must be in 1..{HELD_OUT_SIZE}")
     if vocab < 3:

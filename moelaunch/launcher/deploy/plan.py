@@ -182,6 +182,12 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
             max_model_len,
             f"<= the model's max_position_embeddings = {args.max_position_embeddings}",
         )
+    max_tokens = getattr(cfg.job, "max_tokens", None)
+    if "max_tokens" in cfg.job.model_fields_set and max_tokens >= max_model_len:
+        # Given, not defaulted: clamped silently, a setting no request could reach would say nothing.
+        raise cfg.error(
+            "job.max_tokens", max_tokens, f"< engine.max_model_len {max_model_len} (a prompt takes a token)"
+        )
     placement = _placement(cfg, args, mesh.ep)
     stages = assign_stages(args, mesh.pp)
     shards: dict[tuple[int, int], tuple[WeightPart, ...]] = {}
@@ -322,6 +328,17 @@ def _rank_plan(
     kv_dtype = torch.float32 if v == 4 else torch.bfloat16
     per_token = PagedLatentCache.bytes_per_token(args, len(layers), kv_dtype, e.kv_cache_dtype == "fp8")
     kv = per_token * max_model_len * e.max_num_seqs
+    if e.kv_cache_memory is not None:
+        # The engine allocates what the budget holds, up to the worst case; one full sequence at least.
+        one_sequence = per_token * -(-max_model_len // e.block_size) * e.block_size
+        if e.kv_cache_memory < one_sequence:
+            raise cfg.error(
+                "engine.kv_cache_memory",
+                e.kv_cache_memory,
+                f">= {one_sequence:,} B, one sequence of max_model_len {max_model_len} tokens at "
+                f"{per_token:,} B per token on rank {rank}'s {len(layers)} layers (or a lower max_model_len)",
+            )
+        kv = min(kv, e.kv_cache_memory)
     activations = activation_bytes(args, e.max_num_batched_tokens, max_model_len, v)
     devices = cfg.cluster.devices_per_node
     return RankPlan(
