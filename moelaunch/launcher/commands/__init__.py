@@ -25,12 +25,16 @@ def count(text: str) -> int:
     return value
 
 
-def positive_number(text: str) -> float:
-    """argparse type for a rate or a temperature: a finite number > 0 (nan, inf, 0 and -1 refused)."""
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def positive_number(text: str) -> float:
+    """argparse type for a rate or a temperature: a finite number > 0 (nan, inf, 0 and -1 refused)."""
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{value}: give a finite number > 0")
     return value
@@ -38,10 +42,7 @@ def positive_number(text: str) -> float:
 
 def rate(text: str) -> float:
     """argparse type for a rate that may be unbounded: a number > 0, inf allowed (nan refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{value}: give a number > 0 (inf: all at once)")
     return value
@@ -49,10 +50,7 @@ def rate(text: str) -> float:
 
 def fraction(text: str) -> float:
     """argparse type for a share of something: a number in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{value}: give a number in [0, 1)")
     return value
