@@ -116,3 +116,21 @@ def test_mtp_weights_load_when_present_and_are_optional(tiny_dir, tmp_path):
     hidden = model.hidden_states(torch.arange(2, 10)[None])
     assert model.mtp_logits(hidden, torch.arange(3, 11)[None]).shape == (1, 8, 320)
     assert len(load_model(with_mtp, with_mtp=False).mtp) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_weights_are_named_at_load(tiny_dir, tmp_path, caplog, bad):
+    """A checkpoint with a NaN or inf weight once ran to the end with every token 0 and exit 0."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "model.layers.1.mlp.experts.0.up_proj.weight"
+    tensors[name][0, 0] = bad
+    save_file(tensors, broken / "model.safetensors")
+    with caplog.at_level("WARNING"):
+        load_model(broken)
+    assert f"holds NaN or inf values in 1 tensor(s) ({name})" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_model(tiny_dir)
+    assert "NaN or inf" not in caplog.text  # a healthy checkpoint says nothing

@@ -9,6 +9,7 @@ load from a plain or block-FP8 checkpoint when `quantization=` asks for it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,9 +78,29 @@ def load_model(
     used = _fill_from_checkpoint(model, reader, dtypes, device, spec.keeps_fp8(device), quant)
     if shard.whole:
         _check_all_used(args, reader, used, skip_mtp=mtp_in_checkpoint and not with_mtp)
+    broken = nonfinite_tensors(model)
+    if broken:
+        log.warning(
+            "%s holds NaN or inf values in %d tensor(s) (%s%s): the model's outputs will be meaningless; "
+            "check the download, or the conversion or training that wrote it",
+            path, len(broken), ", ".join(broken[:4]), ", ..." if len(broken) > 4 else "",
+        )  # fmt: skip
     model.rope = RotaryEmbedding(args).to(device)
     model.checkpoint_bytes_read = reader.bytes_read
     return model.eval().requires_grad_(False)
+
+
+def nonfinite_tensors(model: nn.Module) -> list[str]:
+    """Names of the model's float tensors holding a NaN or an inf (fp8 ones: a NaN code; e4m3 has no inf)."""
+    found = []
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.dtype == torch.float8_e4m3fn:
+            bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+        else:
+            bad = t.is_floating_point() and not bool(torch.isfinite(t).all())
+        if bad:
+            found.append(name)
+    return found
 
 
 @dataclass(frozen=True)
