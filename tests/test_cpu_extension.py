@@ -150,3 +150,47 @@ open(sys.argv[2], "w").close()
 print("holding", flush=True)
 time.sleep(60)
 """
+
+
+def test_a_background_build_answers_none_until_it_is_done(fake_build, monkeypatch, capsys):
+    """MOELAUNCH_CPU_KERNELS=background (the default chat's): the first call starts the build in a thread
+    and the torch paths answer until it is done; then the kernels do."""
+    import threading
+
+    import torch.utils.cpp_extension as builder
+
+    release = threading.Event()
+    monkeypatch.setattr(builder, "load", lambda name, **kw: release.wait(30) and "module")
+    monkeypatch.setattr(cpu_extension, "_background", None)
+    monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "background")
+    assert cpu_extension.module() is None and cpu_extension.module() is None  # one build, not waited for
+    release.set()
+    cpu_extension._background.join(timeout=30)
+    assert cpu_extension.module() == "module"
+    err = capsys.readouterr().err
+    assert "answering on the slower torch paths meanwhile" in err and "the next steps use them" in err
+
+
+@pytest.mark.slow
+def test_a_first_chat_answers_while_the_kernels_build(tmp_path):
+    """On a machine that never built the kernels, `launch` answers its first question in seconds: the
+    build runs in the background (and is stopped with the chat here)."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moelaunch.launcher.cli"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)},  # nothing built here yet
+        start_new_session=True,  # the build's compilers too, so the test stops them all
+    )
+    try:
+        out, err = proc.communicate("What is 12+34?\n", timeout=60)
+    finally:  # the session: launch and whatever the background build still runs (ninja, g++)
+        subprocess.run(["pkill", "-9", "-s", str(proc.pid)], check=False)
+    took = time.monotonic() - started
+    assert proc.returncode == 0, err[-2000:]
+    assert "46" in out.split(">>> What is 12+34?")[1].splitlines()[1], out
+    assert "answering on the slower torch paths meanwhile" in err
+    assert took < 30, f"the first answer came after {took:.0f} s"

@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import os
 import sys
+import threading
 import time
 import warnings
 from functools import cache
@@ -112,9 +113,11 @@ def _compile(name: str, sources: list[str], fresh: bool) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     # A first build takes a minute or two: say so, or a first `launch` looks hung.
+    background = threading.current_thread() is not threading.main_thread()
     if fresh:
+        meanwhile = "; answering on the slower torch paths meanwhile" if background else "..."
         print(
-            "moelaunch: building the CPU kernels for this machine (first run only, 1-2 minutes)...",
+            f"moelaunch: building the CPU kernels for this machine (first run only, 1-2 minutes){meanwhile}",
             file=sys.stderr,
             flush=True,
         )
@@ -127,7 +130,10 @@ def _compile(name: str, sources: list[str], fresh: bool) -> ModuleType | None:
             extra_ldflags=["-fopenmp"],
         )
         if fresh:
-            print(f"moelaunch: CPU kernels built in {time.monotonic() - started:.0f} s", file=sys.stderr)
+            then = "; the next steps use them" if background else ""
+            print(
+                f"moelaunch: CPU kernels built in {time.monotonic() - started:.0f} s{then}", file=sys.stderr
+            )
         return built
     except Exception as e:  # noqa: BLE001 - any build failure means: use the torch paths
         warnings.warn(
@@ -139,10 +145,27 @@ def _compile(name: str, sources: list[str], fresh: bool) -> ModuleType | None:
 
 
 def module() -> ModuleType | None:
-    """The built kernels, or None when they are switched off or cannot be built."""
-    if os.environ.get("MOELAUNCH_CPU_KERNELS") == "0":
+    """The built kernels, or None when they are switched off or cannot be built. With
+    MOELAUNCH_CPU_KERNELS=background, a first build runs in a thread and None answers until it is done
+    (the caller takes the torch paths meanwhile: a first chat answers in seconds, not minutes)."""
+    mode = os.environ.get("MOELAUNCH_CPU_KERNELS")
+    if mode == "0":
+        return None
+    if mode == "background" and _building_in_background():
         return None
     return _build()
+
+
+_background: threading.Thread | None = None
+
+
+def _building_in_background() -> bool:
+    """Start the build in a thread unless one ran; whether it is still running."""
+    global _background
+    if _background is None:
+        _background = threading.Thread(target=_build, name="moelaunch-cpu-kernels", daemon=True)
+        _background.start()
+    return _background.is_alive()
 
 
 def require() -> ModuleType:

@@ -178,6 +178,9 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
     if not plan.fits:
         raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
     check_job_files(cfg)
+    if cfg.job.mode == "chat" and plan.mesh.world == 1 and plan.device == "cpu":
+        # A new user's first chat: the CPU kernels build in the background while it answers.
+        os.environ.setdefault("MOELAUNCH_CPU_KERNELS", "background")
     with contextlib.ExitStack() as resources:
         if cfg.job.mode == "serve":
             from moelaunch.launcher.serve.listen import bind_server_socket
