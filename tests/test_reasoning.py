@@ -116,7 +116,16 @@ def _serve(checkpoint: str):
     """A checkpoint behind the HTTP app, in process, with the offline API beside it."""
     llm = LLM(checkpoint)
     loop = EngineLoop(llm.engine, capacity=8, keepalive_s=60)
-    state = ServerState(loop, llm.tokenizer, "small", llm.engine.max_model_len, ServeMetrics(), None, 2**20)
+    state = ServerState(
+        loop,
+        llm.tokenizer,
+        "small",
+        llm.engine.max_model_len,
+        ServeMetrics(),
+        None,
+        2**20,
+        llm.engine.model.args.vocab_size,
+    )
     loop.start()
     try:
         with TestClient(build_app(state)) as client:

@@ -47,6 +47,13 @@ def build_app(state: ServerState) -> FastAPI:
         )
         return JSONResponse(body, 404)
 
+    @app.exception_handler(405)
+    async def wrong_method(request: Request, error: Exception) -> JSONResponse:
+        body = responses.error_body(
+            f"{request.method} is not allowed on {request.url.path}", "invalid_request_error", None, 405
+        )
+        return JSONResponse(body, 405)
+
     @app.get("/health")
     async def health() -> Response:
         if await state.engine_loop.ping(HEALTH_TIMEOUT_S):

@@ -66,6 +66,7 @@ class ServerState:
     metrics: ServeMetrics
     api_key: str | None
     max_body_bytes: int
+    vocab_size: int  # the model's: token ids in a request must be below it
     strict: bool = False  # server.strict: an unknown request field is a 400, not a log line
 
 
@@ -129,7 +130,9 @@ async def read_json(http: HTTPRequest, limit: int) -> Any:
             raise APIError(413, f"request body is over the limit of {limit} bytes (server.max_body_bytes)")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise APIError(400, "the body is not valid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
         raise APIError(400, f"the body is not valid JSON: {e}") from None
 
 
@@ -159,6 +162,30 @@ def _check_fields(state: ServerState, req: Any) -> None:
     refused = req.refused()
     if refused is not None:
         raise APIError(400, refused[1], refused[0])
+    if getattr(req, "top_logprobs", None) is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options needs stream: true", "stream_options")
+    if req.requested_max_tokens is not None and req.min_tokens > req.requested_max_tokens:
+        raise APIError(
+            400, f"min_tokens {req.min_tokens} is over max_tokens {req.requested_max_tokens}", "min_tokens"
+        )
+    vocab = state.vocab_size
+    for field in ("stop_token_ids", "allowed_token_ids"):
+        outside = [t for t in getattr(req, field) or () if not 0 <= t < vocab]
+        if outside:
+            raise APIError(
+                400, f"{field}: token id {outside[0]} is not in the vocabulary (ids 0..{vocab - 1})", field
+            )
+    for field, text in req.texts():
+        if "\x00" in text:
+            raise APIError(400, f"{field}: contains a NUL character; send text without it", field)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(
+                400, f"{field}: not valid Unicode ({e.reason} at {e.start}); send UTF-8 text", field
+            ) from None
     unknown = req.unknown_fields
     if unknown and state.strict:
         raise APIError(
@@ -195,6 +222,25 @@ def _call(
     return _Call(kind, response_id, requests, req.n, req.logprobs_count, reasoning_opened)
 
 
+def _check_call(state: ServerState, call: _Call) -> None:
+    """What the engine would refuse, refused here: a stream must not start with 200 and then fail."""
+    vocab = state.vocab_size
+    for r in call.requests:
+        outside = [t for t in r.prompt_ids if not 0 <= t < vocab]
+        if outside:
+            raise APIError(
+                400, f"prompt: token id {outside[0]} is not in the vocabulary (ids 0..{vocab - 1})", "prompt"
+            )
+    capacity = state.engine_loop.capacity
+    if len(call.requests) > capacity:
+        raise APIError(
+            400,
+            f"{len(call.requests)} prompts in one request, more than the server ever holds at once "
+            f"({capacity}: engine.max_num_seqs x parallel.dp + server.max_queue): send smaller requests",
+            "prompt",
+        )
+
+
 def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> int:
     room = state.max_model_len - prompt_len
     if room < 1 or (requested is not None and requested > room):
@@ -209,6 +255,7 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> i
 
 
 async def _respond(state: ServerState, http: HTTPRequest, call: _Call, req: Any) -> Any:
+    _check_call(state, call)
     outputs = OutputStream(asyncio.get_running_loop())
     ids = [r.request_id for r in call.requests]
     # Timed from here, before the engine thread can see them.

@@ -173,6 +173,13 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    def texts(self) -> list[tuple[str, str]]:
+        """(field, text) of every message's content, for the checks on the text itself."""
+        return [
+            (f"messages.{i}.content", m.as_template_input()["content"]) for i, m in enumerate(self.messages)
+        ]
+
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -253,6 +260,10 @@ class CompletionRequest(_Sampling):
     @property
     def logprobs_count(self) -> int | None:
         return self.logprobs
+
+    def texts(self) -> list[tuple[str, str]]:
+        """(field, text) of every text the request carries, for the checks on the text itself."""
+        return [("prompt", p) for p in self.prompts() if isinstance(p, str)]
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""

@@ -16,6 +16,7 @@ from moelaunch.launcher.serve.app import build_app
 from moelaunch.launcher.serve.engine_loop import EngineLoop, Progress
 from moelaunch.launcher.serve.handlers import ServerState
 from moelaunch.launcher.serve.metrics import ServeMetrics
+from moelaunch.model.config import load_args
 
 STOP_TIMEOUT_S = 30.0
 
@@ -46,6 +47,7 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         metrics=metrics,
         api_key=s.api_key_in_effect(),
         max_body_bytes=s.max_body_bytes,
+        vocab_size=load_args(cfg.model).vocab_size,
         strict=s.strict,
     )
     host, port = sock.getsockname()[:2]
