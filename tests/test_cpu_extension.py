@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import site
 import subprocess
 import sys
 import time
@@ -103,6 +104,10 @@ def test_two_checkouts_in_two_venvs_share_one_build(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120
     )
+    # The same torch as this run's, also when this run is itself in a venv (whose packages a venv made
+    # from it does not see): the new venv reads this environment's site-packages through a .pth file.
+    (new_site,) = (venv / "lib").glob("python3.*/site-packages")
+    (new_site / "same_torch.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     first_checkout = Path(moelaunch.__file__).parents[1]
     turns = [(venv / "bin/python", str(venv), checkout), (sys.executable, sys.prefix, first_checkout)]
     for python, prefix_expected, source_root in turns:
