@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moelaunch.text.files import read_text
+
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a DeepSeek model; the message names the field and the fix."""
@@ -132,11 +134,38 @@ def _rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling]:
     )
 
 
+# Integer settings and their least value: required ones must be there, optional ones may be absent or null.
+_SIZES = {"vocab_size": 1, "hidden_size": 1, "intermediate_size": 1, "num_hidden_layers": 1,
+          "num_attention_heads": 1, "kv_lora_rank": 1, "qk_nope_head_dim": 1, "qk_rope_head_dim": 1,
+          "v_head_dim": 1}  # fmt: skip
+_OPTIONAL_SIZES = {"moe_intermediate_size": 1, "n_routed_experts": 0, "n_shared_experts": 0,
+                   "num_experts_per_tok": 0, "first_k_dense_replace": 0, "q_lora_rank": 0, "n_group": 1,
+                   "topk_group": 1, "max_position_embeddings": 1, "num_nextn_predict_layers": 0}  # fmt: skip
+
+
+def _check_sizes(cfg: dict[str, Any]) -> None:
+    """Every size an integer at least its least value: a null, a string or -1 is named, not left to a
+    TypeError or to the layout check (which would blame pp for num_hidden_layers = -1)."""
+    for key, least in {**_SIZES, **_OPTIONAL_SIZES}.items():
+        value = cfg.get(key)
+        if value is None and key in _OPTIONAL_SIZES:
+            continue
+        if type(value) is not int or value < least:
+            raise ConfigError(f"{key}: given {value!r}; allowed: an integer >= {least}")
+    for key in ("routed_scaling_factor", "rms_norm_eps"):
+        value = cfg.get(key)
+        if value is not None and (type(value) not in (int, float) or value <= 0):
+            raise ConfigError(f"{key}: given {value!r}; allowed: a number > 0")
+
+
 def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     """Build ModelArgs from a parsed config.json, defaulting the way the model families do."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"config.json holds {type(cfg).__name__}, not an object of settings")
     missing = [k for k in _REQUIRED if k not in cfg]
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}: is this a DeepSeek-V2/V3 config?")
+    _check_sizes(cfg)
     is_v2 = cfg.get("model_type") == "deepseek_v2"
     # V3 files written by transformers omit these two; V2's defaults are softmax / greedy.
     scoring = cfg.get("scoring_func") or ("softmax" if is_v2 else "sigmoid")
@@ -200,10 +229,14 @@ def load_args(path: str | Path) -> ModelArgs:
     file = p / "config.json" if p.is_dir() else p
     if not file.exists():
         raise ConfigError(f"{file} not found: a checkpoint directory needs a Hugging Face config.json")
+    if p.suffix in (".safetensors", ".bin", ".pt"):
+        raise ConfigError(f"{p} is a weights file: give the checkpoint directory ({p.parent})")
     try:
-        cfg = json.loads(file.read_text())
+        cfg = json.loads(read_text(file, "config"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON ({e}): fix or re-download the file") from e
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     try:
         return args_from_hf_config(cfg)
     except ConfigError as e:

@@ -12,6 +12,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from moelaunch.text.files import read_text
+
 Message = dict[str, Any]
 
 
@@ -40,8 +42,18 @@ class Tokenizer:
         if not file.exists():
             raise FileNotFoundError(f"{file} not found: the checkpoint directory needs a tokenizer.json")
         config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text()) if config_file.exists() else {}
-        return cls(HFTokenizer.from_file(str(file)), config)
+        try:
+            config = json.loads(read_text(config_file, "tokenizer config")) if config_file.exists() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tokenizer config {config_file}: not valid JSON ({e})") from None
+        try:
+            tokenizer = HFTokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the library raises a bare Exception for a bad file
+            raise ValueError(f"{file}: not a tokenizer the tokenizers library can read ({e})") from None
+        try:
+            return cls(tokenizer, config)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"{config_file}: its chat_template does not compile ({e})") from None
 
     @property
     def vocab_size(self) -> int:

@@ -64,8 +64,9 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.input.exists():  # before loading the model, which can take minutes
-        raise FileNotFoundError(f"input file {args.input} not found")
+    if not args.input.is_file():  # before loading the model, which can take minutes
+        kind = "a directory, not a file" if args.input.is_dir() else "no such file"
+        raise FileNotFoundError(f"--input {args.input}: {kind}")
     check_writable(args.output, "--output")
     options: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.max_model_len:

@@ -30,6 +30,7 @@ from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.sampling_params import SamplingParams, sampling_fields
 from moelaunch.model.quantization import Quantization
 from moelaunch.model.weight_spec import WeightDtype
+from moelaunch.text.files import read_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"
 
@@ -297,13 +298,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _read_yaml(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        raise DeployConfigError(
-            f"{file}: deployment file not found; give the path of a cluster YAML file "
-            f"(the embedded default is {DEFAULT_CONFIG})"
-        )
     try:
-        raw = yaml.load(file.read_text(), Loader=_UniqueKeyLoader)
+        text = read_text(file, "deployment file")
+    except ValueError as e:
+        raise DeployConfigError(
+            f"{e}; give the path of a cluster YAML file (the embedded default is {DEFAULT_CONFIG})"
+        ) from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown line"
