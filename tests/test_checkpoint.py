@@ -134,3 +134,12 @@ def test_non_finite_weights_are_named_at_load(tiny_dir, tmp_path, caplog, bad):
     with caplog.at_level("WARNING"):
         load_model(tiny_dir)
     assert "NaN or inf" not in caplog.text  # a healthy checkpoint says nothing
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/passwd", "sub/dir.safetensors"])
+def test_an_index_naming_files_outside_the_checkpoint_is_refused(tiny_dir, tmp_path, shard):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_dir, ckpt)
+    (ckpt / INDEX_FILE).write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": shard}}))
+    with pytest.raises(CheckpointError, match="outside"):
+        CheckpointReader(ckpt)

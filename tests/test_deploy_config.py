@@ -139,7 +139,9 @@ def test_bad_file_gets_one_clear_message(tmp_path, case, text, overrides, pieces
 
 
 def test_missing_file_names_the_path(tmp_path):
-    with pytest.raises(DeployConfigError, match="deployment file .*nowhere.yaml: no such file; give the path"):
+    with pytest.raises(
+        DeployConfigError, match="deployment file .*nowhere.yaml: no such file; give the path"
+    ):
         load_deploy_config(tmp_path / "nowhere.yaml")
 
 

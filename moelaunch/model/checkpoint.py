@@ -37,6 +37,13 @@ class CheckpointReader:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({e!r})") from e
+            # Shards are files of this directory: an index naming ../x or /x would read elsewhere.
+            outside = sorted({f for f in weight_map.values() if Path(f).name != f})
+            if outside:
+                raise CheckpointError(
+                    f"{index} names shard file(s) outside {self.path}: {', '.join(outside)}; an index lists "
+                    "plain file names of its own directory"
+                )
             missing = sorted({f for f in weight_map.values() if not (self.path / f).exists()})
             if missing:
                 example = next(n for n, f in weight_map.items() if f == missing[0])
