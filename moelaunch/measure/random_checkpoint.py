@@ -73,9 +73,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         max_position_embeddings=4096,
         tie_word_embeddings=False,
     ),
-    # Long context (benchmarks/long_context.py, tests/test_long_context.py): DeepSeek-V3's rope scaling,
-    # positions and latent width (kv_lora_rank 512), so the latent cache dominates memory at 128K tokens,
-    # with heads narrow enough that a 131,072-token prefill runs in minutes on two CPU cores.
     # benchmarks/shard_memory.py: ~113M parameters (~450 MB in fp32), every size split over tp=2 and ep=4.
     "shard-memory": dict(
         vocab_size=8192,
