@@ -531,5 +531,9 @@ def test_topk_selection_a_few_rows_at_a_time_equals_all_at_once(monkeypatch):
     q_latent, q_pe = torch.randn(rows, 4, 32, generator=g), torch.randn(rows, 4, 8, generator=g)
     whole = cache._select_blocks(0, q_latent, q_pe, tables, seq_lens, 3)
     monkeypatch.setattr(kv_cache, "SELECT_BYTES", 1)  # one row at a time
+    slices = []
+    score = cache._best_head_scores
+    monkeypatch.setattr(cache, "_best_head_scores", lambda *a: slices.append(a[1].shape[0]) or score(*a))
     sliced = cache._select_blocks(0, q_latent, q_pe, tables, seq_lens, 3)
+    assert slices == [1] * rows  # bounded: never every row's means at once
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True))
