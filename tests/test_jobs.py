@@ -11,7 +11,9 @@ import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher import LLM, SamplingParams
-from moelaunch.launcher.jobs.run import DEMO_QUESTIONS
+from moelaunch.launcher.deploy.config import load_deploy_config
+from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.launcher.jobs.run import DEMO_QUESTIONS, engine_spec
 from moelaunch.tasks.capabilities import LINE
 
 
@@ -96,3 +98,14 @@ def test_the_default_chat_keeps_going_whatever_is_typed():
     lines = [line for line in out.splitlines() if not line.startswith("(the conversation outgrew")]
     for i, question in enumerate(sums):
         assert lines[lines.index(f">>> {question}") + 1] == str(2 * i + 1), question
+
+
+def test_the_engine_gets_the_kv_cache_the_plan_shows(tmp_path, checkpoint):
+    """`launch plan`'s KV figure is what the engine allocates: the launcher hands it the plan's budget."""
+    config = deployment(tmp_path, checkpoint, "{mode: chat}")
+    cfg = load_deploy_config(config, ["engine.max_model_len=64", "engine.kv_cache_fraction=0.00002"])
+    plan = build_plan(cfg)
+    per_sequence = 64 // cfg.engine.block_size
+    assert per_sequence <= plan.kv_blocks < cfg.engine.max_num_seqs * per_sequence  # neither bound decides
+    with LLM.from_spec(engine_spec(cfg, plan)) as llm:
+        assert llm.engine.blocks.num_blocks == plan.kv_blocks

@@ -83,7 +83,9 @@ def test_671b_printed_plan_shows_the_pieces(capsys):
         "[24576/8 x 1536] = 4,718,592 x 1 B + 24 x 12 scales x 4 B = 4,719,744 B",
         "[129280/8 x 7168] = 115,834,880 x 2 B = 231,669,760 B",
         f"weights total: {WEIGHTS:,} B = 44.26 GB",
-        "(kv_lora_rank 512 + qk_rope_head_dim 64) x 2 B x 61 layers x 131072 tokens x 8 sequences",
+        "KV cache: 65,536 blocks x 1,124,352 B (block_size 16 tokens x (kv_lora_rank 512 + "
+        "qk_rope_head_dim 64) x 2 B x 61 layers) = 73,685,532,672 B = 73.69 GB: the most it can use, "
+        "max_num_seqs 8 x 8192 blocks",
         "total: 44.26 + 73.69 + 1.93 = 119.87 GB; usable 141.00 GB x 0.9 = 126.90 GB: fits",
     ]:
         assert piece in out, piece
@@ -135,7 +137,7 @@ def test_pp2_layers_per_stage_and_ranks(tmp_path):
     assert plan.groups()["ep"] == [list(range(8)), list(range(8, 16))]
 
 
-def test_bf16_671b_does_not_fit_2x8_and_says_so(tmp_path, capsys):
+def test_bf16_671b_on_2x8_caches_what_the_weights_leave_and_on_h100_does_not_fit(tmp_path, capsys):
     engine = {"max_model_len": 32768, "max_num_seqs": 32, "max_num_batched_tokens": 8192}
     path = v3_on(tmp_path, {"tp": 8, "dp": 2}, 2, 8, engine=engine)
     params = (
@@ -147,13 +149,24 @@ def test_bf16_671b_does_not_fit_2x8_and_says_so(tmp_path, capsys):
         + 58 * 16 * 3 * 2048 * 7168
     )
     weights = params * 2 + 58 * 256 * 2  # bf16, router bias fp32 (2 B more each)
+    block = (512 + 64) * 2 * 61 * 16  # bf16 latent + rope, 61 layers, 16 tokens
+    # H200: 32 sequences of 32K tokens would take 73.7 GB; the cache gets what is left, in whole blocks.
     plan = build_plan(load_deploy_config(path, ["dtype=bfloat16"]))
-    assert plan.ranks[0].weight_bytes == weights and not plan.fits
-    assert main(["plan", str(path), "--set", "dtype=bfloat16"]) == 1
+    blocks = (126_900_000_000 - weights - ACTIVATIONS) // block
+    assert plan.ranks[0].weight_bytes == weights and plan.fits
+    assert plan.kv_blocks == blocks and plan.ranks[0].kv_cache_bytes == blocks * block
+    assert plan.engine_kv_budget == blocks * block and blocks * 16 // 32768 == 16  # 16 of the 32 sequences
+    assert main(["plan", str(path), "--set", "dtype=bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert f"the KV cache holds {blocks * 16 / 32768:.1f} sequences of 32768 tokens" in out
+    # H100: the weights alone pass the 72 GB usable; counted with one sequence's cache, it does not fit.
+    h100 = ["dtype=bfloat16", "cluster.device_memory_gb=80"]
+    assert not build_plan(load_deploy_config(path, h100)).fits
+    assert main(["plan", str(path), "--set", h100[0], "--set", h100[1]]) == 1
     err = capsys.readouterr().err
-    total = (weights + KV + ACTIVATIONS) / GB
-    assert f"does not fit: rank 0 needs {total:.2f} GB" in err and "126.90 GB usable" in err
-    assert "engine.max_model_len" in err and str(path) in err
+    total = (weights + 2048 * block + ACTIVATIONS) / GB
+    assert f"does not fit: rank 0 needs {total:.2f} GB" in err and "72.00 GB usable" in err
+    assert "one sequence of max_model_len" in err and "engine.max_model_len" in err and str(path) in err
 
 
 @pytest.mark.parametrize(

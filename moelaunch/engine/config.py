@@ -60,7 +60,13 @@ class EngineConfig(BaseModel):
         ge=1,
         description="bytes per rank for the latent cache; default: a kv_cache_fraction of free memory",
     )
-    kv_cache_fraction: float = Field(0.25, gt=0, le=0.95, description="share of free memory for the cache")
+    kv_cache_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=0.95,
+        description="share of free memory for the cache; default: 0.9 of a GPU's (what the weights left), "
+        "0.25 of the host's available RAM on the CPU (shared with everything else on the machine)",
+    )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         "auto",
         description="auto: the model's compute dtype; fp8: e4m3 values with two fp32 scales per token "
@@ -101,3 +107,9 @@ class EngineConfig(BaseModel):
                 f"cuda_graph_sizes={self.cuda_graph_sizes}: give batch sizes >= 1, or leave it unset"
             )
         return self
+
+
+def default_kv_cache_fraction(device_type: str) -> float:
+    """kv_cache_fraction when unset: on a GPU the memory left after the weights is the cache's (0.1 kept
+    for the allocator and the step's buffers); the host's RAM is shared with everything else."""
+    return 0.9 if device_type == "cuda" else 0.25

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from moelaunch.engine.block_manager import BlockManager
-from moelaunch.engine.config import EngineConfig
+from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
 from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -137,7 +137,8 @@ class LLMEngine:
         per_block = PagedLatentCache.bytes_per_block(
             model.args, len(model.layer_ids()), cfg.block_size, model.weight_dtype(), fp8, sparse
         )
-        budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * cfg.kv_cache_fraction)
+        fraction = cfg.kv_cache_fraction or default_kv_cache_fraction(self.mesh.device.type)
+        budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * fraction)
         # More blocks than every sequence at full length could use are never touched.
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = torch.tensor([min(num_blocks_for(budget, per_block), cfg.max_num_seqs * per_seq)])

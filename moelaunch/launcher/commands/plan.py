@@ -8,6 +8,7 @@ import json
 import math
 from typing import Any
 
+from moelaunch.engine.config import default_kv_cache_fraction
 from moelaunch.launcher.commands import add_deployment_arguments
 from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import (
@@ -17,6 +18,7 @@ from moelaunch.launcher.deploy.plan import (
     MB,
     LaunchPlan,
     RankPlan,
+    blocks_per_sequence,
     build_plan,
     latent_segment,
     size_text,
@@ -178,10 +180,9 @@ def _memory_by_hand(plan: LaunchPlan) -> str:
     unit, unit_name = _unit(plan)
     lines += [
         f"  weights total: {r.weight_bytes:,} B = {size_text(r.weight_bytes)}",
-        f"  KV cache: (kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim}) x {v} B x "
-        f"{len(r.layers)} layers x {plan.max_model_len} tokens x {e.max_num_seqs} sequences"
-        + (", capped at engine.kv_cache_memory" if e.kv_cache_memory == r.kv_cache_bytes else "")
-        + f" = {r.kv_cache_bytes:,} B = {size_text(r.kv_cache_bytes)}",
+        f"  KV cache: {r.kv_blocks:,} blocks x {r.kv_block_bytes:,} B (block_size {e.block_size} tokens x "
+        f"(kv_lora_rank {a.kv_lora_rank} + qk_rope_head_dim {a.qk_rope_head_dim}) x {v} B x {len(r.layers)} "
+        f"layers) = {r.kv_cache_bytes:,} B = {size_text(r.kv_cache_bytes)}: {_kv_reason(plan, r)}",
         f"  activations: (max_num_batched_tokens {e.max_num_batched_tokens} x hidden {a.hidden_size} x "
         f"{ACTIVATION_BUFFERS} buffers + ({LATENT_BUFFERS} x {e.max_num_batched_tokens} step tokens + 2 x "
         f"{latent_segment(plan.max_model_len)} segment keys) x latent "
@@ -193,6 +194,23 @@ def _memory_by_hand(plan: LaunchPlan) -> str:
         f"{'fits' if plan.fits else 'DOES NOT FIT'}",
     ]
     return "\n".join(lines)
+
+
+def _kv_reason(plan: LaunchPlan, r: RankPlan) -> str:
+    e = plan.config.engine
+    per_sequence = blocks_per_sequence(plan.max_model_len, e.block_size)
+    if r.kv_blocks == e.max_num_seqs * per_sequence:
+        return f"the most it can use, max_num_seqs {e.max_num_seqs} x {per_sequence} blocks of max_model_len"
+    if r.kv_blocks == per_sequence and not plan.fits:
+        return "one sequence of max_model_len, the least that runs"
+    left = "what the weights and activations leave"
+    if e.kv_cache_memory is not None:
+        source = "engine.kv_cache_memory"
+    elif e.kv_cache_fraction is None and plan.device == "cuda":
+        source = left
+    else:
+        source = f"{e.kv_cache_fraction or default_kv_cache_fraction(plan.device):g} of {left}"
+    return f"{source}: {r.kv_blocks / per_sequence:.1f} sequences of max_model_len"
 
 
 def _tensor_line(t: ShardTensor, plan: LaunchPlan, width: int) -> str:

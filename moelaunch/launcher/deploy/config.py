@@ -34,7 +34,6 @@ from moelaunch.text.files import read_text
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"
 
-DEPLOYMENT_MAX_NUM_SEQS = 8
 # Keys holding file paths: relative ones resolve against the YAML file's directory, or against the
 # working directory when they come from --set (where the user typed them).
 PATH_KEYS = (("model",), ("job", "input"), ("job", "output"))
@@ -224,21 +223,11 @@ class DeployConfig(_Strict):
     # Projections quantized at load (model/quantization.py); "none" runs the checkpoint as it is.
     quantization: Quantization = "none"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    # The plan sizes the KV cache for max_num_seqs sequences of max_model_len tokens per DP replica (the
-    # worst case: all of them at full length) and activations for one max_num_batched_tokens step, so a
-    # deployment defaults to DEPLOYMENT_MAX_NUM_SEQS sequences, not the API's 256.
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(max_num_seqs=DEPLOYMENT_MAX_NUM_SEQS))
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     job: JobConfig = Field(default_factory=ChatJob)
     server: ServerConfig = Field(default_factory=ServerConfig)
     _source: str = PrivateAttr("<config>")
-
-    @field_validator("engine", mode="before")
-    @classmethod
-    def _deployment_defaults(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {"max_num_seqs": DEPLOYMENT_MAX_NUM_SEQS, **value}
-        return value
 
     @model_validator(mode="after")
     def _devices_the_layout_needs(self) -> DeployConfig:

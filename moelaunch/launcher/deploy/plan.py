@@ -13,9 +13,14 @@ Memory per rank (1 GB = 1e9 B, as GPU vendors quote it):
   one fp32 scale and a 1-byte zero point per 128-column group). The router bias is fp32
   always. The MTP layer is not counted (it is loaded only for speculative decoding).
 - KV cache: MLA caches (kv_lora_rank + qk_rope_head_dim) values per token per layer; every TP rank of a
-  replica holds its replica's whole latent cache (the latent is shared by all heads), sized for
-  engine.max_num_seqs sequences of engine.max_model_len tokens over the stage's layers. 2 bytes per value
-  (4 under float32); with engine.kv_cache_dtype fp8, 1 byte per value plus two fp32 scales per token.
+  replica holds its replica's whole latent cache (the latent is shared by all heads). 2 bytes per value
+  (4 under float32); with engine.kv_cache_dtype fp8, 1 byte per value plus two fp32 scales per token; top-k
+  attention adds one fp32 mean latent per block and layer. The cache takes what the weights and
+  activations leave of the usable memory (engine.kv_cache_memory when given), in whole blocks, up to the
+  most it could use: engine.max_num_seqs sequences of engine.max_model_len tokens; as in vLLM,
+  max_num_seqs bounds the batch, and sequences beyond what the cache holds at full length wait or are
+  preempted. A deployment fits when the cache holds one sequence of max_model_len. The launcher gives
+  the engine this budget (LaunchPlan.engine_kv_budget), so the plan's figure is the engine's.
 - activations: engine.max_num_batched_tokens x hidden_size x 2 bytes (4 under float32) x ACTIVATION_BUFFERS,
   plus the latent-wide buffers of a prefill step: (LATENT_BUFFERS x max_num_batched_tokens + 2 x the key
   segment, `prefill_attention.KEY_SEGMENT` or max_model_len if shorter) x (kv_lora_rank + qk_rope_head_dim)
@@ -31,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from moelaunch.engine.config import default_kv_cache_fraction
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model import prefill_attention
@@ -67,8 +73,13 @@ class RankPlan:
     experts: tuple[int, ...]
     weight_parts: tuple[WeightPart, ...]
     weight_bytes: int
-    kv_cache_bytes: int
+    kv_block_bytes: int  # one KV block over the rank's layers
+    kv_blocks: int
     activation_bytes: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_blocks * self.kv_block_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -102,6 +113,22 @@ class LaunchPlan:
         return self.heaviest.total_bytes <= self.usable_bytes
 
     @property
+    def kv_blocks(self) -> int:
+        """KV blocks the engine allocates on every rank: the fewest any rank affords."""
+        return min(r.kv_blocks for r in self.ranks)
+
+    @property
+    def full_length_sequences(self) -> float:
+        """Sequences of max_model_len tokens the cache holds at once."""
+        return self.kv_blocks / blocks_per_sequence(self.max_model_len, self.config.engine.block_size)
+
+    @property
+    def engine_kv_budget(self) -> int:
+        """The engine's kv_cache_memory (bytes per rank) that gives every rank kv_blocks: the engine
+        divides it by its own block size and keeps the fewest blocks any rank gets."""
+        return self.kv_blocks * max(r.kv_block_bytes for r in self.ranks)
+
+    @property
     def value_bytes(self) -> int:
         return value_bytes(self.dtype)
 
@@ -122,16 +149,22 @@ class LaunchPlan:
             f"({size_text(self.device_bytes)} x cluster.memory_fraction {c.memory_fraction})"
         )
         if self.fits:
-            return f"fits: {need} of {have}"
+            sequences = f"{self.full_length_sequences:.1f} sequences of {self.max_model_len} tokens"
+            return f"fits: {need} of {have}; the KV cache holds {sequences}"
         return (
-            f"{self.config.source}: does not fit: {need} but there are {have}; lower engine.max_model_len "
-            "or engine.max_num_seqs, pick a smaller dtype, or spread the model over more devices (dp, pp)"
+            f"{self.config.source}: does not fit: {need} but there are {have} (the KV cache counted for one "
+            "sequence of max_model_len, the least that runs); lower engine.max_model_len, pick a smaller "
+            "dtype or kv_cache_dtype fp8, or spread the model over more devices (dp, pp)"
         )
 
 
 def value_bytes(dtype: str) -> int:
     """Bytes of one KV-cache value or activation: fp8 models keep both in bf16."""
     return 4 if dtype == "float32" else 2
+
+
+def blocks_per_sequence(max_model_len: int, block_size: int) -> int:
+    return -(-max_model_len // block_size)
 
 
 def latent_segment(max_model_len: int) -> int:
@@ -190,14 +223,17 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
         )
     placement = _placement(cfg, args, mesh.ep)
     stages = assign_stages(args, mesh.pp)
+    device_bytes = _device_bytes(cfg, device)
+    usable = int(device_bytes * cfg.cluster.memory_fraction)
     shards: dict[tuple[int, int], tuple[WeightPart, ...]] = {}
     ranks = [
-        _rank_plan(cfg, args, mesh, stages, placement, shards, dtype, block, max_model_len, quant, r)
+        _rank_plan(
+            cfg, args, mesh, stages, placement, shards, dtype, block, max_model_len, quant, device, usable, r
+        )
         for r in range(mesh.world)
     ]
     if dtype == "fp8":
         _check_fp8_blocks(cfg, shards.values(), block)
-    device_bytes = _device_bytes(cfg, device)
     if quant is not None and quant.method == "int4" and args.quantization:
         _check_int4_groups(cfg, shards.values(), quant)
     return LaunchPlan(
@@ -312,6 +348,8 @@ def _rank_plan(
     block: tuple[int, int],
     max_model_len: int,
     quant: IntQuant | None,
+    device: str,
+    usable: int,
     rank: int,
 ) -> RankPlan:
     """`shards` caches weight parts by (stage, experts held): ranks alike in both hold the same shapes,
@@ -325,21 +363,24 @@ def _rank_plan(
         shards[key] = weight_parts(shard_tensors(args, mesh, rank, placement))
     parts = shards[key]
     v, e = value_bytes(dtype), cfg.engine
-    kv_dtype = torch.float32 if v == 4 else torch.bfloat16
-    per_token = PagedLatentCache.bytes_per_token(args, len(layers), kv_dtype, e.kv_cache_dtype == "fp8")
-    kv = per_token * max_model_len * e.max_num_seqs
-    if e.kv_cache_memory is not None:
-        # The engine allocates what the budget holds, up to the worst case; one full sequence at least.
-        one_sequence = per_token * -(-max_model_len // e.block_size) * e.block_size
-        if e.kv_cache_memory < one_sequence:
-            raise cfg.error(
-                "engine.kv_cache_memory",
-                e.kv_cache_memory,
-                f">= {one_sequence:,} B, one sequence of max_model_len {max_model_len} tokens at "
-                f"{per_token:,} B per token on rank {rank}'s {len(layers)} layers (or a lower max_model_len)",
-            )
-        kv = min(kv, e.kv_cache_memory)
+    weights = sum(part.nbytes(dtype, block, quant) for part in parts)
     activations = activation_bytes(args, e.max_num_batched_tokens, max_model_len, v)
+    kv_dtype = torch.float32 if v == 4 else torch.bfloat16
+    per_block = PagedLatentCache.bytes_per_block(
+        args, len(layers), e.block_size, kv_dtype, e.kv_cache_dtype == "fp8", e.attention.sparse()
+    )
+    one_sequence = blocks_per_sequence(max_model_len, e.block_size)
+    if e.kv_cache_memory is not None and e.kv_cache_memory < one_sequence * per_block:
+        raise cfg.error(
+            "engine.kv_cache_memory",
+            e.kv_cache_memory,
+            f">= {one_sequence * per_block:,} B, one sequence of max_model_len {max_model_len} tokens in "
+            f"{one_sequence} blocks of {per_block:,} B on rank {rank}'s {len(layers)} layers (or a lower "
+            "max_model_len)",
+        )
+    budget = _kv_budget(cfg, device, usable - weights - activations)
+    # At least one sequence: a plan whose memory cannot hold it does not fit, and its total says by how much.
+    blocks = min(max(budget // per_block, one_sequence), e.max_num_seqs * one_sequence)
     devices = cfg.cluster.devices_per_node
     return RankPlan(
         rank=rank,
@@ -352,10 +393,22 @@ def _rank_plan(
         layers=tuple(layers),
         experts=tuple(experts),
         weight_parts=parts,
-        weight_bytes=sum(part.nbytes(dtype, block, quant) for part in parts),
-        kv_cache_bytes=kv,
+        weight_bytes=weights,
+        kv_block_bytes=per_block,
+        kv_blocks=blocks,
         activation_bytes=activations,
     )
+
+
+def _kv_budget(cfg: DeployConfig, device: str, left: int) -> int:
+    """Bytes for a rank's KV cache, given what its weights and activations leave of the usable memory."""
+    e = cfg.engine
+    if e.kv_cache_memory is not None:
+        return e.kv_cache_memory
+    if e.kv_cache_fraction is not None:
+        return int(left * e.kv_cache_fraction)
+    # On a GPU cluster.memory_fraction already keeps the headroom; a host's RAM is shared (the engine's rule).
+    return left if device == "cuda" else int(left * default_kv_cache_fraction(device))
 
 
 def _check_fp8_blocks(

@@ -21,7 +21,7 @@ from moelaunch.engine.build import EngineSpec
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DeployConfig
-from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.launcher.deploy.plan import LaunchPlan, build_plan
 from moelaunch.launcher.jobs.chat import chat_loop, lenient_stdin, terminal_lines
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_llm import RayLLM
@@ -38,7 +38,8 @@ DEMO_QUESTIONS = (
 )
 
 
-def engine_spec(cfg: DeployConfig) -> EngineSpec:
+def engine_spec(cfg: DeployConfig, plan: LaunchPlan) -> EngineSpec:
+    """The engine the plan describes: its KV cache gets the plan's budget, as `launch plan` shows it."""
     model = Path(cfg.model)
     if not model.is_dir():
         raise cfg.error(
@@ -46,7 +47,8 @@ def engine_spec(cfg: DeployConfig) -> EngineSpec:
         )
     p = cfg.parallel
     weights = WeightSpec(str(model), cfg.dtype, cfg.quantization, p.expert_placement)
-    return EngineSpec(weights, MeshShape(p.tp, p.dp, p.pp), cfg.engine, cfg.cluster.timeouts.collective_s)
+    engine = cfg.engine.model_copy(update={"kv_cache_memory": plan.engine_kv_budget})
+    return EngineSpec(weights, MeshShape(p.tp, p.dp, p.pp), engine, cfg.cluster.timeouts.collective_s)
 
 
 def open_local(cfg: DeployConfig, spec: EngineSpec) -> LLM:
@@ -190,7 +192,7 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
             mode = functools.partial(
                 run_serve_job, sock=resources.enter_context(bind_server_socket(cfg.server))
             )
-        client = backend(cfg, engine_spec(cfg))
+        client = backend(cfg, engine_spec(cfg, plan))
         graceful = False  # after Ctrl-C or a failure mid-step the ranks may be inside a collective
         try:
             code = mode(client, cfg)
