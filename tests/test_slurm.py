@@ -15,7 +15,9 @@ import yaml
 from ray_nodes import node_env
 from slurm_cluster import missing_slurm, slurm_cluster
 from tiny_models import add_byte_tokenizer, make_hf_model
+from tokenizers import Tokenizer
 
+from moelaunch.cluster.rendezvous import free_port
 from moelaunch.launcher.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -210,15 +212,65 @@ def test_launch_slurm_runs_a_two_node_batch_job(tmp_path, slurm, checkpoint, ref
     assert_results(tmp_path / "results.jsonl", reference, output)
 
 
+# Run from the first node's network: waits for the server, asks each prompt greedily, prints the texts.
+SERVE_CLIENT = """
+import json, sys, time, httpx
+url, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+deadline = time.monotonic() + 150
+while True:
+    try:
+        if httpx.get(url + "/health", timeout=2).status_code == 200:
+            break
+    except httpx.TransportError:
+        pass
+    if time.monotonic() > deadline:
+        sys.exit("the server did not come up")
+    time.sleep(1)
+texts = {}
+for key, prompt in prompts.items():
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    texts[key] = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+print(json.dumps(texts))
+"""
+
+
 @pytest.mark.slow
-def test_launch_slurm_here_uses_the_allocation_it_runs_in(tmp_path, slurm, checkpoint, reference):
-    # An allocation made by hand (as salloc or a user's own script would); the launcher runs inside it.
+def test_a_server_runs_inside_the_allocation_it_is_given(tmp_path, slurm, checkpoint, reference):
+    """`launch slurm --here` in an allocation made by hand (as salloc or a user's own script would),
+    serving: the OpenAI server on the first node answers what one process answers. (A batch job through
+    `launch slurm`'s own script: the test above.)"""
     config = batch_deployment(tmp_path, checkpoint)
-    launch = f"{sys.executable} -m moelaunch.launcher.cli slurm {config} --here"
+    port = free_port()
+    serve = ["job={mode: serve}", f"server={{port: {port}, served_model_name: tiny}}"]
+    launch = f"{sys.executable} -m moelaunch.launcher.cli slurm {config} --here " + " ".join(
+        f"--set '{s}'" for s in serve
+    )
     out_file = tmp_path / "allocation.out"
     sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2"]
     sbatch += [f"--output={out_file}", "--time=00:05:00", f"--wrap={launch}"]
     done = slurm.client(sbatch, env=job_env(slurm), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    output = finish(slurm, done.stdout.strip().split(";")[0], out_file)
-    assert_results(tmp_path / "results.jsonl", reference, output)
+    job_id = done.stdout.strip().split(";")[0]
+    try:
+        asked = slurm.client(
+            [
+                sys.executable,
+                "-c",
+                SERVE_CLIENT,
+                f"http://127.0.0.1:{port}",
+                json.dumps(PROMPTS),
+                str(MAX_TOKENS),
+            ],
+            env=job_env(slurm),
+            timeout_s=240,
+        )
+    finally:
+        slurm.client(["scancel", job_id])
+        state = slurm.wait_job(job_id, timeout_s=60)
+        output = out_file.read_text(errors="replace") if out_file.exists() else "(no job output)"
+    assert asked.returncode == 0, f"{asked.stderr[-2000:]}\n{output[-3000:]}\n{slurm.logs()}"
+    tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+    assert json.loads(asked.stdout) == {k: tokenizer.decode(ids) for k, ids in reference.items()}
+    assert state in (None, "CANCELLED"), state
+    ranks = re.findall(r"ray: rank \d+ on node ([\d.]+)", output)
+    assert sorted(set(ranks)) == ["10.202.0.1", "10.202.0.2"], output[-3000:]
