@@ -16,6 +16,7 @@ from pathlib import Path
 
 from moelaunch.launcher.commands import count
 from moelaunch.launcher.jobs.output_path import check_writable
+from moelaunch.measure.machine import machine_line
 from moelaunch.measure.report.measure import ENTRY_PREFIX, Entry, MeasureSpec, Workload
 from moelaunch.measure.report.methods import DISTILLED, METHODS, Method
 from moelaunch.measure.report.render import chart, markdown, text_table, write_json
@@ -99,6 +100,8 @@ def _measure(spec: MeasureSpec, env: dict[str, str]) -> Entry:
 
 def run(args: argparse.Namespace) -> int:
     workload = _check(args)
+    device = args.device or ("cuda" if _has_cuda() else "cpu")
+    machine = machine_line(device)
     env = dict(os.environ)
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -135,12 +138,12 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     command = shlex.join(["launch", *sys.argv[1:]]) if sys.argv[1:2] == ["report"] else "launch report"
-    device = args.device or ("cuda" if _has_cuda() else "cpu")
     setup = (
-        f"Model {args.model} on {device}; latency: batch 1, {workload.input_len} tokens in, "
+        f"Model {args.model} on {device} ({machine}); latency: batch 1, {workload.input_len} tokens in, "
         f"{workload.output_len} out; throughput: batch {workload.batch}; accuracy: {workload.n_problems} "
         f"held-out problems; KV cache budget {workload.kv_cache_memory / 2**20:.0f} MiB for every method."
     )
+    print(setup)
     print(text_table(entries))
     for name, why in failures.items():
         print(f"report: {name} failed: {why}", file=sys.stderr)

@@ -29,8 +29,9 @@ from moelaunch.tasks.capabilities import is_task_family
 from moelaunch.tasks.problem_sets import held_out_sample
 
 ENTRY_PREFIX = "report-entry: "
-LATENCY_RUNS = 3
-THROUGHPUT_RUNS = 2
+# Timed runs of each measurement: the median is reported, with the min-max beside it (a busy machine
+# moves single samples by 2x or more).
+TIMED_RUNS = 3
 # Room for a task-family question (the held-out ones are at most 52 tokens) and its longest answer.
 TASK_FAMILY_MAX_LEN = 64 + GREEDY.max_tokens
 
@@ -48,8 +49,10 @@ class Workload:
 class Entry:
     method: str
     what: str
-    latency_s: float  # batch 1: input_len prompt tokens in, output_len tokens out
-    throughput_tok_s: float  # batch `batch`: tokens out per second
+    latency_s: float  # batch 1: input_len prompt tokens in, output_len tokens out; median of TIMED_RUNS
+    latency_range_s: tuple[float, float]  # the fastest and slowest run
+    throughput_tok_s: float  # batch `batch`: tokens out per second; median of TIMED_RUNS
+    throughput_range_tok_s: tuple[float, float]  # the slowest and fastest run
     peak_memory_bytes: int  # weights + cache + activations: the process's growth (CPU) or CUDA peak
     weights_bytes: int
     kv_cache_bytes_per_token: float
@@ -79,13 +82,14 @@ class MeasureSpec:
         return json.dumps(asdict(self))
 
 
-def _median_seconds(runs: int, fn: Any) -> float:
+def _timed_runs(fn: Any) -> list[float]:
+    """Seconds of each of TIMED_RUNS calls of fn."""
     times = []
-    for _ in range(runs):
+    for _ in range(TIMED_RUNS):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def measure(spec: MeasureSpec) -> Entry:
@@ -111,8 +115,8 @@ def measure(spec: MeasureSpec) -> Entry:
         ]
         params = SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True)
         llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-        latency = _median_seconds(LATENCY_RUNS, lambda: llm.generate(prompts[0], params))
-        batch_s = _median_seconds(THROUGHPUT_RUNS, lambda: llm.generate(prompts, params))
+        latency = _timed_runs(lambda: llm.generate(prompts[0], params))
+        rates = [w.batch * w.output_len / t for t in _timed_runs(lambda: llm.generate(prompts, params))]
         score = accuracy(ask(llm, [(p,) for p in held_out_sample(w.n_problems)])) if task_family else None
         probes_path = Path(spec.probes)
         if spec.baseline:
@@ -124,8 +128,10 @@ def measure(spec: MeasureSpec) -> Entry:
     return Entry(
         method=spec.method,
         what=spec.what,
-        latency_s=latency,
-        throughput_tok_s=w.batch * w.output_len / batch_s,
+        latency_s=statistics.median(latency),
+        latency_range_s=(min(latency), max(latency)),
+        throughput_tok_s=statistics.median(rates),
+        throughput_range_tok_s=(min(rates), max(rates)),
         peak_memory_bytes=peak,
         weights_bytes=weights,
         kv_cache_bytes_per_token=cache_bytes / (cache.num_blocks * cache.block_size),

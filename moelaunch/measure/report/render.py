@@ -6,26 +6,50 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from moelaunch.measure.report.measure import Entry
+from moelaunch.measure.report.measure import TIMED_RUNS, Entry
 
 MIB = 2**20
+SLOWER = "slower"  # marks a median worse than the baseline's
+
+
+def slower_latency(e: Entry, base: Entry) -> bool:
+    return e is not base and e.latency_s > base.latency_s
+
+
+def slower_throughput(e: Entry, base: Entry) -> bool:
+    return e is not base and e.throughput_tok_s < base.throughput_tok_s
+
+
+def _timing(median: float, span: tuple[float, float], digits: int, slower: bool) -> str:
+    lo, hi = span
+    return f"{median:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})" + (f" {SLOWER}" if slower else "")
+
+
 COLUMNS = [
-    # header, how to show an entry's value
-    ("method", lambda e: e.method + (" *" if e.approximation else "")),
-    ("latency s", lambda e: f"{e.latency_s:.3f}"),
-    ("tok/s (batch)", lambda e: f"{e.throughput_tok_s:.1f}"),
-    ("peak MiB", lambda e: f"{e.peak_memory_bytes / MIB:.1f}"),
-    ("weights MiB", lambda e: f"{e.weights_bytes / MIB:.2f}"),
-    ("KV B/token", lambda e: f"{e.kv_cache_bytes_per_token:.0f}"),
-    ("accuracy", lambda e: "n/a" if e.accuracy is None else f"{e.accuracy:.3f}"),
-    ("mean abs dlogit", lambda e: f"{e.mean_abs_logit_diff:.4f}"),
-    ("greedy agree", lambda e: f"{e.greedy_agreement:.3f}"),
+    # header, how to show an entry's value given the baseline's entry
+    ("method", lambda e, b: e.method + (" *" if e.approximation else "")),
+    ("latency s", lambda e, b: _timing(e.latency_s, e.latency_range_s, 3, slower_latency(e, b))),
+    (
+        "tok/s (batch)",
+        lambda e, b: _timing(e.throughput_tok_s, e.throughput_range_tok_s, 1, slower_throughput(e, b)),
+    ),
+    ("peak MiB", lambda e, b: f"{e.peak_memory_bytes / MIB:.1f}"),
+    ("weights MiB", lambda e, b: f"{e.weights_bytes / MIB:.2f}"),
+    ("KV B/token", lambda e, b: f"{e.kv_cache_bytes_per_token:.0f}"),
+    ("accuracy", lambda e, b: "n/a" if e.accuracy is None else f"{e.accuracy:.3f}"),
+    ("mean abs dlogit", lambda e, b: f"{e.mean_abs_logit_diff:.4f}"),
+    ("greedy agree", lambda e, b: f"{e.greedy_agreement:.3f}"),
 ]
-FOOTNOTE = "* an approximation of attention (it changes what is computed once a sequence outgrows it)"
+FOOTNOTE = (
+    f"Timings: median (min-max) of {TIMED_RUNS} runs; `{SLOWER}`: the median is worse than the baseline's "
+    "(the first row).\n* an approximation of attention (it changes what is computed once a sequence "
+    "outgrows it)"
+)
 
 
 def rows(entries: list[Entry]) -> list[list[str]]:
-    return [[header for header, _ in COLUMNS]] + [[show(e) for _, show in COLUMNS] for e in entries]
+    base = entries[0]
+    return [[header for header, _ in COLUMNS]] + [[show(e, base) for _, show in COLUMNS] for e in entries]
 
 
 def text_table(entries: list[Entry]) -> str:
@@ -54,17 +78,26 @@ def chart(entries: list[Entry], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     quality = "accuracy" if all(e.accuracy is not None for e in entries) else "greedy agreement"
+    base = entries[0]
+    never = [False] * len(entries)
     panels = [
-        ("latency (s), batch 1", [e.latency_s for e in entries]),
-        ("throughput (tok/s), batch", [e.throughput_tok_s for e in entries]),
-        ("peak memory (MiB)", [e.peak_memory_bytes / MIB for e in entries]),
-        (quality, [e.accuracy if quality == "accuracy" else e.greedy_agreement for e in entries]),
-    ]
+        # title, values, (min, max) per entry or None, which entries are slower than the baseline
+        ("latency (s), batch 1", [e.latency_s for e in entries], [e.latency_range_s for e in entries],
+         [slower_latency(e, base) for e in entries]),
+        ("throughput (tok/s), batch", [e.throughput_tok_s for e in entries],
+         [e.throughput_range_tok_s for e in entries], [slower_throughput(e, base) for e in entries]),
+        ("peak memory (MiB)", [e.peak_memory_bytes / MIB for e in entries], None, never),
+        (quality, [e.accuracy if quality == "accuracy" else e.greedy_agreement for e in entries],
+         None, never),
+    ]  # fmt: skip
     names = [e.method + (" *" if e.approximation else "") for e in entries]
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 0.4 * len(entries) + 1.5), sharey=True)
-    for ax, (label, values) in zip(axes, panels, strict=True):
-        ax.barh(names, values, color=["#4c72b0" if i else "#dd8452" for i in range(len(values))])
-        ax.set_title(label, fontsize=10)
+    for ax, (label, values, spans, slower) in zip(axes, panels, strict=True):
+        # The baseline orange, a method slower than it red, the rest blue; whiskers: min-max of the runs.
+        colors = ["#dd8452" if i == 0 else "#c44e52" if s else "#4c72b0" for i, s in enumerate(slower)]
+        errors = None if spans is None else _whiskers(values, spans)
+        ax.barh(names, values, color=colors, xerr=errors, error_kw={"elinewidth": 0.8, "capsize": 2})
+        ax.set_title(label + (f" (red: {SLOWER} than the baseline)" if any(slower) else ""), fontsize=9)
         for y, v in enumerate(values):
             ax.text(v, y, f" {v:.0f}" if v >= 100 else f" {v:.3g}", va="center", fontsize=8)
         ax.margins(x=0.25)
@@ -73,6 +106,12 @@ def chart(entries: list[Entry], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _whiskers(values: list[float], spans: list[tuple[float, float]]) -> list[list[float]]:
+    """matplotlib's xerr: distances below and above each value."""
+    return [[v - lo for v, (lo, _) in zip(values, spans, strict=True)],
+            [hi - v for v, (_, hi) in zip(values, spans, strict=True)]]  # fmt: skip
 
 
 def write_json(entries: list[Entry], path: Path) -> None:
