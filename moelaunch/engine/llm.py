@@ -122,7 +122,8 @@ class LLM:
             if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"a chat message needs a string role and content: {m!r}")
         try:
-            return self.tokenizer.encode_chat(prompt), None
+            allowed = self.spec.engine.allow_special_tokens_in_content
+            return self.tokenizer.encode_chat(prompt, special_tokens_in_content=allowed), None
         except jinja2.TemplateError as e:  # e.g. a role the checkpoint's template does not know
             raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
 

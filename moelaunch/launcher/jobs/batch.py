@@ -237,7 +237,8 @@ def _encode(llm: LLM, job: BatchRequest) -> list[int]:
     if job.prompt is not None:
         return llm.tokenizer.encode(job.prompt)
     try:
-        return llm.tokenizer.encode_chat(job.messages)
+        allowed = llm.spec.engine.allow_special_tokens_in_content
+        return llm.tokenizer.encode_chat(job.messages, special_tokens_in_content=allowed)
     except (jinja2.TemplateError, TypeError, KeyError) as e:
         raise ValueError(f"the chat template failed on these messages: {e}") from None
 

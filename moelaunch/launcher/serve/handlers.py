@@ -68,6 +68,7 @@ class ServerState:
     max_body_bytes: int
     vocab_size: int  # the model's: token ids in a request must be below it
     strict: bool = False  # server.strict: an unknown request field is a 400, not a log line
+    special_tokens_in_content: bool = False  # server.allow_special_tokens_in_content
 
 
 @dataclass
@@ -98,6 +99,7 @@ async def chat_completions(state: ServerState, http: HTTPRequest) -> Any:
         state.tokenizer, [m.as_template_input() for m in req.messages], req.tools
     )
     variables = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+    variables["special_tokens_in_content"] = state.special_tokens_in_content  # after: not the client's
     try:
         prompt_ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, **variables)
     except (jinja2.TemplateError, TypeError, ValueError) as e:
