@@ -174,7 +174,12 @@ class LLM:
                 finished = {out.request_id: out for out in outputs if out.finished}
                 done.update(finished)
                 bar.update(len(finished))
-        return [done[r.request_id] for r in requests]
+        outputs = [done[r.request_id] for r in requests]
+        failed = [(i, c.error) for i, out in enumerate(outputs) for c in out.outputs if c.error]
+        if failed:  # after the run: the other prompts were served, but no output hides a failure
+            i, error = failed[0]
+            raise ValueError(f"prompt {i} ({len(failed)} of the outputs failed): {error}")
+        return outputs
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the worker ranks: told to stop (graceful), or terminated, as after Ctrl-C, when the
