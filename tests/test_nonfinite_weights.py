@@ -9,10 +9,13 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 from safetensors.torch import load_file, save_file
+from serve_process import served
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
+from moelaunch.cluster.rendezvous import free_port
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
@@ -116,3 +119,24 @@ def test_launch_eval_fails_instead_of_reporting_a_score(healthy, tmp_path, capsy
     captured = capsys.readouterr()
     assert "non-finite logits" in captured.err and HEAD in captured.err
     assert "accuracy=" not in captured.out and "acceptance" not in captured.out
+
+
+def test_the_server_answers_500_naming_the_cause_and_serves_on(healthy, tmp_path):
+    """A whole request is a 500 in OpenAI's shape; a stream ends with an error event; the next
+    request is served the same way (the engine did not stop)."""
+    bad = broken(healthy, tmp_path / "bad", HEAD)
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"model: {bad}\nengine: {{kv_cache_memory: {KV}}}\nserver: {{port: {port}}}\njob: {{mode: serve}}\n"
+    )
+    body = {"model": "bad", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with served(config, port) as server:
+        for _ in range(2):
+            answer = httpx.post(f"{server['url']}/v1/chat/completions", json=body, timeout=60)
+            assert answer.status_code == 500, answer.text
+            assert "non-finite logits" in answer.json()["error"]["message"]
+        events = httpx.post(
+            f"{server['url']}/v1/chat/completions", json={**body, "stream": True}, timeout=60
+        ).text
+        assert '"error"' in events and "non-finite logits" in events and "[DONE]" not in events

@@ -42,7 +42,7 @@ def split_rendered(messages: list[Message], render: Callable[[list[Message]], st
         text = ""
         for piece, is_markup in parts:
             if not is_markup:
-                # Private-use characters around a random nonce: survive trim/strip, in no content.
+                # Private-use characters around a random nonce: survive trim/strip; no content can guess it.
                 marker = f"\ue000{nonce}.{len(markers)}\ue001"
                 markers[marker], piece = piece, marker
             text += piece
@@ -54,7 +54,8 @@ def split_rendered(messages: list[Message], render: Callable[[list[Message]], st
     pieces = _content_pieces(render(messages), template_pieces, [markers[p] for p in parts[1::2]])
     if pieces is None:
         raise TemplateNotSplittable(
-            "the chat template renders message content in a way its markup cannot be told apart from"
+            "the chat template changes message content (or what it renders around it) so that its own "
+            "markup cannot be told apart from the content's"
         )
     spans: list[Span] = [(template_pieces[0], False)]
     for piece, template_piece in zip(pieces, template_pieces[1:], strict=True):
