@@ -140,3 +140,12 @@ def test_the_server_answers_500_naming_the_cause_and_serves_on(healthy, tmp_path
             f"{server['url']}/v1/chat/completions", json={**body, "stream": True}, timeout=60
         ).text
         assert '"error"' in events and "non-finite logits" in events and "[DONE]" not in events
+
+
+def test_the_chat_ends_with_the_error_instead_of_empty_replies(healthy, tmp_path, capsys):
+    from moelaunch.launcher.jobs.chat import chat_loop
+
+    bad = broken(healthy, tmp_path / "bad", HEAD)
+    with LLM(str(bad), kv_cache_memory=KV) as llm:
+        with pytest.raises(ValueError, match=f"^the model produced non-finite logits.*{HEAD}"):
+            chat_loop(llm.engine, llm.tokenizer, lambda turn: GREEDY, ["hi", "there"])

@@ -25,7 +25,7 @@ from moelaunch.cluster.rendezvous import RankEnv, free_port
 from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import Request, drive
-from moelaunch.engine.outputs import RequestOutput
+from moelaunch.engine.outputs import RequestOutput, raise_if_failed
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape
@@ -175,10 +175,7 @@ class LLM:
                 done.update(finished)
                 bar.update(len(finished))
         outputs = [done[r.request_id] for r in requests]
-        failed = [(i, c.error) for i, out in enumerate(outputs) for c in out.outputs if c.error]
-        if failed:  # after the run: the other prompts were served, but no output hides a failure
-            i, error = failed[0]
-            raise ValueError(f"prompt {i} ({len(failed)} of the outputs failed): {error}")
+        raise_if_failed(outputs)
         return outputs
 
     def shutdown(self, graceful: bool = True) -> None:

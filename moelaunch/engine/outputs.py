@@ -54,3 +54,12 @@ def non_finite_logits_error(tensors: list[str]) -> str:
             "activations overflowed the compute dtype"
         )
     return f"the model produced non-finite logits (NaN or inf): {cause}; check or replace the checkpoint"
+
+
+def raise_if_failed(outputs: list[RequestOutput]) -> None:
+    """One ValueError for outputs that ended with an error (after the run: the others were served)."""
+    failed = [(i, c.error) for i, out in enumerate(outputs) for c in out.outputs if c.error]
+    if failed:
+        i, error = failed[0]
+        where = f"prompt {i} ({len(failed)} of the outputs failed): " if len(outputs) > 1 else ""
+        raise ValueError(where + error)
