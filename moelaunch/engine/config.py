@@ -81,6 +81,11 @@ class EngineConfig(BaseModel):
     speculative: Literal["mtp"] | None = Field(
         None, description="mtp: draft with the checkpoint's MTP layer, verify in the next step"
     )
+    allow_special_tokens_in_content: bool = Field(
+        False,
+        description="read special-token markup inside chat message content (<｜Assistant｜>) as control "
+        "tokens; off: as the text it spells, so a message cannot forge another turn",
+    )
     skip_tokenizer_init: bool = Field(
         False, description="load no tokenizer: prompts are token ids, outputs token ids without text"
     )

@@ -17,7 +17,14 @@ from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
 from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
-from moelaunch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from moelaunch.engine.outputs import (
+    ERROR,
+    NON_FINITE_TOKEN,
+    CompletionOutput,
+    RequestMetrics,
+    RequestOutput,
+    non_finite_logits_error,
+)
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.engine.sequence import Sequence
@@ -294,6 +301,9 @@ class LLMEngine:
         """Append the step's tokens (kept draft tokens, then the sampled one) up to any finish."""
         seq, updates, reason = chunk.seq, [], None
         for sampled in result.tokens:
+            if sampled.token == NON_FINITE_TOKEN:  # broken weights: this sequence ends, the rest go on
+                updates.append(SeqUpdate(seq.seq_id, None, None, None, ERROR))
+                break
             seq.output.append(sampled.token)
             reason = self._finish_reason(seq, sampled.token)
             updates.append(
@@ -370,6 +380,8 @@ class LLMEngine:
                     out.token_logprobs = (out.token_logprobs or []) + [u.logprob]
             if u.finish_reason:
                 out.finish_reason = u.finish_reason
+                if u.finish_reason == ERROR:
+                    out.error = non_finite_logits_error(self.model.nonfinite_tensors)
                 state.unfinished -= 1
                 self._replica_load[state.replica] -= 1
                 if state.unfinished == 0:

@@ -25,7 +25,7 @@ from moelaunch.cluster.rendezvous import RankEnv, free_port
 from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import Request, drive
-from moelaunch.engine.outputs import RequestOutput
+from moelaunch.engine.outputs import RequestOutput, raise_if_failed
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape
@@ -122,7 +122,8 @@ class LLM:
             if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"a chat message needs a string role and content: {m!r}")
         try:
-            return self.tokenizer.encode_chat(prompt), None
+            allowed = self.spec.engine.allow_special_tokens_in_content
+            return self.tokenizer.encode_chat(prompt, special_tokens_in_content=allowed), None
         except jinja2.TemplateError as e:  # e.g. a role the checkpoint's template does not know
             raise ValueError(f"the checkpoint's chat template refused these messages: {e}") from None
 
@@ -173,7 +174,9 @@ class LLM:
                 finished = {out.request_id: out for out in outputs if out.finished}
                 done.update(finished)
                 bar.update(len(finished))
-        return [done[r.request_id] for r in requests]
+        outputs = [done[r.request_id] for r in requests]
+        raise_if_failed(outputs)
+        return outputs
 
     def shutdown(self, graceful: bool = True) -> None:
         """Release the worker ranks: told to stop (graceful), or terminated, as after Ctrl-C, when the

@@ -124,7 +124,8 @@ class ModelRunner:
             result = results.get(c.seq.seq_id)
             kept = len(result.tokens) - 1 if result else 0
             valid = c.length - len(c.draft) + kept
-            known = c.seq.tokens + [t.token for t in result.tokens] if result else c.seq.tokens
+            # A non-finite row's token (its sequence ends this step) stands in as 0 for the batch's shape.
+            known = c.seq.tokens + [max(t.token, 0) for t in result.tokens] if result else c.seq.tokens
             mtp_spans.append(SeqSpan(len(rows), valid, c.start))
             rows.extend(range(s.offset, s.offset + valid))
             next_ids.extend(known[c.start + 1 : c.start + 1 + valid])
@@ -146,7 +147,7 @@ class ModelRunner:
         if mesh.dp_replica.size == 1:
             return results
         ids = [c.seq.seq_id for c in plan if c.samples]
-        width = MAX_DRAFT + 2  # tokens (up to MAX_DRAFT + 1) and one draft, -1 padded
+        width = MAX_DRAFT + 2  # tokens (up to MAX_DRAFT + 1; NON_FINITE_TOKEN is -2) and one draft, -1 padded
         table = torch.full((len(ids), width), -1, dtype=torch.long)
         for i, seq_id in enumerate(ids):
             if seq_id in results:
@@ -159,7 +160,7 @@ class ModelRunner:
             return results  # the source keeps its log-probabilities; the table is what it sent
         shared = {}
         for i, seq_id in enumerate(ids):
-            sampled = [SampledToken(t) for t in table[i, :-1].tolist() if t >= 0]
+            sampled = [SampledToken(t) for t in table[i, :-1].tolist() if t != -1]
             draft = [int(table[i, -1])] if table[i, -1] >= 0 else []
             shared[seq_id] = StepResult(sampled, draft)
         return shared

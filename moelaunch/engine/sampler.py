@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from moelaunch.engine.constraints import Constraints
+from moelaunch.engine.outputs import NON_FINITE_TOKEN
 from moelaunch.engine.sequence import Sequence
 from moelaunch.model.sampling import RowControls, controlled_logits, draw, filtered_logits
 from moelaunch.text.tokenizer import Tokenizer
@@ -168,7 +169,10 @@ class Sampler:
             probs = filtered_logits(logits[sampled_rows], temperature, **given).softmax(-1)
             probs = probs.cpu()  # the sequences' generators are CPU generators
         where = {row: k for k, row in enumerate(sampled_rows)}
-        best = logits.argmax(dim=-1).tolist()  # the step's one sync for greedy rows
+        # A row whose raw logits hold a NaN or inf (broken weights) reads NON_FINITE_TOKEN: found on
+        # the device, within the step's one sync for greedy rows.
+        finite = torch.isfinite(raw).all(dim=-1)
+        best = torch.where(finite, logits.argmax(dim=-1), NON_FINITE_TOKEN).tolist()
         out = []
         for (seq, draft), start in zip(batch, starts, strict=True):
             rows = raw[start : start + len(draft) + 1]
@@ -177,6 +181,9 @@ class Sampler:
             tokens: list[SampledToken] = []
             for j in range(len(verify) + 1):
                 guess = verify[j] if j < len(verify) else None
+                if best[start + j] == NON_FINITE_TOKEN:  # never a draft's guess: the row ends here
+                    tokens.append(SampledToken(NON_FINITE_TOKEN))
+                    break
                 if seq.params.greedy:
                     token = best[start + j]
                 else:

@@ -22,6 +22,7 @@ from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.engine import LLMEngine
+from moelaunch.engine.outputs import raise_if_failed
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.commands import count, sampling_value
 from moelaunch.launcher.jobs.chat import chat_loop, terminal_lines
@@ -81,6 +82,7 @@ def run_file(engine: LLMEngine, args: argparse.Namespace) -> None:
             str(i), tok.encode_chat([{"role": "user", "content": prompt}]), params(args, i), prompt
         )
     done = run_to_completion(engine)
+    raise_if_failed([done[str(i)] for i in range(len(prompts))])
     lines = []
     for i, prompt in enumerate(prompts):
         ids = completion_ids(engine, done[str(i)].outputs[0].token_ids)

@@ -87,20 +87,24 @@ def load_model(
         )  # fmt: skip
     model.rope = RotaryEmbedding(args).to(device)
     model.checkpoint_bytes_read = reader.bytes_read
+    model.nonfinite_tensors = broken
     return model.eval().requires_grad_(False)
 
 
 def nonfinite_tensors(model: nn.Module) -> list[str]:
     """Names of the model's float tensors holding a NaN or an inf (fp8 ones: a NaN code; e4m3 has no inf)."""
-    found = []
-    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-        if t.dtype == torch.float8_e4m3fn:
-            bad = bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
-        else:
-            bad = t.is_floating_point() and not bool(torch.isfinite(t).all())
-        if bad:
-            found.append(name)
-    return found
+    return [
+        name
+        for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
+        if holds_nonfinite(t)
+    ]
+
+
+def holds_nonfinite(t: torch.Tensor) -> bool:
+    """Whether a float tensor holds a NaN or an inf (fp8 e4m3: a NaN code; it has no inf)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(args)
         self.attn_impl: AttnImpl = "auto"
         self.checkpoint_bytes_read = 0  # set by the loader: how much of the checkpoint this rank read
+        self.nonfinite_tensors: list[str] = []  # set by the loader: this rank's tensors holding NaN/inf
 
     # -- pieces on flat batches ([N] tokens laid out by a BatchLayout); pipeline stages call them --
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from moelaunch.text.content_spans import CONTENT_PARTS, Span, TemplateNotSplittable, split_rendered
 from moelaunch.text.files import read_text
 
 Message = dict[str, Any]
@@ -25,6 +27,11 @@ def _token_text(value: Any) -> str | None:
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any]) -> None:
         self._tok = tokenizer
+        self._text_only = _without_added_tokens(tokenizer)
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = set(added)
+        longest_first = sorted((t.content for t in added.values()), key=len, reverse=True)
+        self._added_text = re.compile("|".join(map(re.escape, longest_first))) if added else None
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
@@ -90,13 +97,70 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = True, **variables: Any
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        *,
+        special_tokens_in_content: bool = False,
+        **variables: Any,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, **variables))
+        """Token ids of the rendered chat. Special and added tokens written inside a message's
+        content (`<｜Assistant｜>`, `<think>`) are encoded as the text they spell, so a user cannot
+        forge a turn, unless `special_tokens_in_content`. Content without such markup encodes as the
+        whole rendered text does: the prompt is only ever cut at the template's own added tokens,
+        where the tokenizer cuts it anyway."""
+
+        def render(msgs: list[Message]) -> str:
+            plain = [{k: v for k, v in m.items() if k != CONTENT_PARTS} for m in msgs]
+            return self.apply_chat_template(plain, add_generation_prompt, **variables)
+
+        if special_tokens_in_content or not any(self._spells_added_token(m.get("content")) for m in messages):
+            return self.encode(render(messages))
+        try:
+            return self._encode_spans(split_rendered(messages, render))
+        except TemplateNotSplittable as e:
+            raise ValueError(
+                f"{e}, and a message's content holds special-token markup: remove it, or set "
+                "allow_special_tokens_in_content to read it as control tokens"
+            ) from None
+
+    def _encode_spans(self, spans: list[Span]) -> list[int]:
+        """The template's spans with their added tokens as control ids, the content as text."""
+        ids: list[int] = []
+        text = ""  # plain text since the template's last added token: encoded in one piece
+        for piece, from_content in spans:
+            if from_content:
+                text += piece
+                continue
+            encoding = self._tok.encode(piece, add_special_tokens=False)
+            cut = 0
+            for token, (begin, end) in zip(encoding.ids, encoding.offsets, strict=True):
+                if token in self._added:
+                    ids += self._text_only.encode(text + piece[cut:begin], add_special_tokens=False).ids
+                    ids.append(token)
+                    text, cut = "", end
+            text += piece[cut:]
+        return ids + self._text_only.encode(text, add_special_tokens=False).ids
+
+    def _spells_added_token(self, content: Any) -> bool:
+        return (
+            isinstance(content, str)
+            and self._added_text is not None
+            and bool(self._added_text.search(content))
+        )
 
     def template_mentions(self, name: str) -> bool:
         """Whether the chat template uses `name` (e.g. tools): a template that does not, ignores it."""
         return self._template_source is not None and name in self._template_source
+
+
+def _without_added_tokens(tokenizer: HFTokenizer) -> HFTokenizer:
+    """A copy that knows no added tokens, so `<｜Assistant｜>` in its input is encoded as the text it
+    spells. Not `encode_special_tokens`: DeepSeek's role markers are added tokens not marked special,
+    which that switch leaves alone. A copy, not a toggle: the server encodes from many threads."""
+    spec = json.loads(tokenizer.to_str())
+    spec["added_tokens"] = []
+    return HFTokenizer.from_str(json.dumps(spec))
 
 
 def _raise(message: str) -> None:

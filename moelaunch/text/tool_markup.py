@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from moelaunch.text.content_spans import Part, joined
+
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
@@ -42,17 +44,22 @@ def render_tools(tools: list[dict[str, Any]]) -> str:
 
 def render_calls(calls: list[dict[str, Any]]) -> str:
     """An assistant message's tool calls (OpenAI's shape) as the model writes them."""
-    body = "".join(
-        f"{CALL_BEGIN}{c.get('type', 'function')}{SEP}{c['function']['name']}\n```json\n"
-        f"{c['function'].get('arguments', '{}')}\n```{CALL_END}"
-        for c in calls
-    )
-    return f"{CALLS_BEGIN}{body}{CALLS_END}"
+    return joined(calls_parts(calls))
 
 
-def render_output(content: str) -> str:
-    """A tool's result as the model reads it back."""
-    return f"{OUTPUTS_BEGIN}{OUTPUT_BEGIN}{content}{OUTPUT_END}{OUTPUTS_END}"
+def calls_parts(calls: list[dict[str, Any]]) -> list[Part]:
+    """render_calls' text in parts: the markup, and the client's names and arguments between it."""
+    parts: list[Part] = [(CALLS_BEGIN, True)]
+    for c in calls:
+        f = c["function"]
+        parts += [(CALL_BEGIN, True), (c.get("type", "function"), False), (SEP, True)]
+        parts += [(f"{f['name']}\n```json\n{f.get('arguments', '{}')}\n```", False), (CALL_END, True)]
+    return [*parts, (CALLS_END, True)]
+
+
+def output_parts(content: str) -> list[Part]:
+    """A tool's result as the model reads it back, in parts: the markup, and the client's result."""
+    return [(OUTPUTS_BEGIN + OUTPUT_BEGIN, True), (content, False), (OUTPUT_END + OUTPUTS_END, True)]
 
 
 def parse_calls(text: str) -> tuple[str, list[ParsedCall]]:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 from moelaunch.model.checkpoint import CheckpointReader, copy_side_files
+from moelaunch.model.loading import holds_nonfinite
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -31,6 +32,19 @@ def read_config(path: str | Path) -> dict[str, Any]:
             "fp8-to-bf16 SRC DST) and quantize what this writes"
         )
     return config
+
+
+def check_finite(path: str | Path) -> None:
+    """Refuse a checkpoint holding NaN or inf values: a compressed copy would be as broken, and its
+    calibration meaningless. Reads one tensor at a time."""
+    reader = CheckpointReader(path)
+    broken = [name for name in reader.names() if holds_nonfinite(reader.read(name))]
+    if broken:
+        named = ", ".join(broken[:4]) + (", ..." if len(broken) > 4 else "")
+        raise ValueError(
+            f"{path} holds NaN or inf values in {len(broken)} tensor(s) ({named}): nothing was written; "
+            "fix or replace the checkpoint (check the download, or the conversion or training that wrote it)"
+        )
 
 
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from moelaunch.model.expert_load import ExpertLoad
 from moelaunch.model.transformer import checkpoint_name
 from moelaunch.tools.calibration import calibration_sequences
 from moelaunch.tools.checkpoint_writer import (
+    check_finite,
     read_config,
     read_tensors,
     write_checkpoint,
@@ -142,6 +143,7 @@ def prune_experts(
     """Write `out`: `src` with each MoE layer's k most used routed experts (see the module doc)."""
     check_new_checkpoint_dir(src, out)
     config = routing_config(read_config(src), k, n_group, topk_group)
+    check_finite(src)
     sequences = calibration_sequences(src, calibration)
     counts = count_expert_usage(load_model(src), sequences)
     result = ExpertPruning(counts, {layer: top_k_ids(c, k) for layer, c in counts.items()})

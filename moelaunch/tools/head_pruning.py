@@ -22,6 +22,7 @@ from moelaunch.model.checkpoint import check_new_checkpoint_dir
 from moelaunch.model.transformer import checkpoint_name
 from moelaunch.tools.calibration import calibration_sequences
 from moelaunch.tools.checkpoint_writer import (
+    check_finite,
     read_config,
     read_tensors,
     write_checkpoint,
@@ -100,6 +101,7 @@ def prune_heads(
     check_new_checkpoint_dir(src, out)
     config = read_config(src)
     new_config = heads_config(config, h)
+    check_finite(src)
     sequences = calibration_sequences(src, calibration)
     importance = head_importance(load_model(src), sequences)
     kept = {layer: top_k_ids(score, h) for layer, score in importance.items()}

@@ -13,6 +13,7 @@ import torch
 
 from moelaunch.model.checkpoint import check_new_checkpoint_dir
 from moelaunch.tools.checkpoint_writer import (
+    check_finite,
     read_config,
     read_tensors,
     write_checkpoint,
@@ -79,4 +80,5 @@ def prune_magnitude(src: str | Path, out: str | Path, sparsity: float, pattern: 
     check_sparsity(sparsity, pattern)
     check_new_checkpoint_dir(src, out)
     config = read_config(src)
+    check_finite(src)
     return write_checkpoint(src, out, prune_weights(read_tensors(src), sparsity, pattern), config)

@@ -4,7 +4,8 @@ Runs every input line through the engine and appends one result line per request
 rerunning the same command resumes (ids already in the output are skipped). Bad input lines are
 reported on stderr with their line numbers and skipped. The last stdout line is a summary; the exit
 code is 0 once every runnable line is in the output, even when some lines were skipped (the summary
-lists them), so a rerun after fixing those lines runs only them.
+lists them), so a rerun after fixing those lines runs only them; it is 1 when a line failed as it ran
+(non-finite logits from broken weights), which is reported on stderr and not written.
 """
 
 from __future__ import annotations
@@ -84,4 +85,4 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
         )
     print(summary.line(args.output), flush=True)
-    return 0
+    return summary.exit_code

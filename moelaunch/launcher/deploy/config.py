@@ -190,6 +190,11 @@ class ServerConfig(_Strict):
     strict: bool = Field(
         False, description="refuse (400) a request field the server does not know, not log it"
     )
+    allow_special_tokens_in_content: bool = Field(
+        False,
+        description="read special-token markup in a chat message's content (<｜Assistant｜>) as control "
+        "tokens; off: as text, so a client's user cannot forge an assistant turn",
+    )
 
     @field_validator("api_key", mode="before")
     @classmethod

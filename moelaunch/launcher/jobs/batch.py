@@ -213,17 +213,24 @@ class BatchSummary:
     done: int = 0
     resumed: int = 0
     skipped: list[LineError] = field(default_factory=list)
+    failed: list[LineError] = field(default_factory=list)  # ran, but the engine could not finish them
     completion_tokens: int = 0
     seconds: float = 0.0
 
+    @property
+    def exit_code(self) -> int:
+        """0 once every runnable line is in the output; 1 when a line failed as it ran."""
+        return 1 if self.failed else 0
+
     def line(self, output: Path) -> str:
         text = f"batch: {self.done} done, {self.resumed} already in {output}"
-        if self.skipped:
-            numbers = [str(e.line_no) for e in self.skipped]
-            shown = ", ".join(numbers[:20]) + (
-                f", ... ({len(numbers) - 20} more)" if len(numbers) > 20 else ""
-            )
-            text += f", {len(numbers)} line(s) skipped: {shown}"
+        for errors, what in ((self.skipped, "skipped"), (self.failed, "failed")):
+            if errors:
+                numbers = [str(e.line_no) for e in errors]
+                shown = ", ".join(numbers[:20]) + (
+                    f", ... ({len(numbers) - 20} more)" if len(numbers) > 20 else ""
+                )
+                text += f", {len(numbers)} line(s) {what}: {shown}"
         rate = self.completion_tokens / self.seconds if self.seconds else 0.0
         return text + f"; {self.completion_tokens} tokens in {self.seconds:.1f} s ({rate:.1f} tok/s)"
 
@@ -237,7 +244,8 @@ def _encode(llm: LLM, job: BatchRequest) -> list[int]:
     if job.prompt is not None:
         return llm.tokenizer.encode(job.prompt)
     try:
-        return llm.tokenizer.encode_chat(job.messages)
+        allowed = llm.spec.engine.allow_special_tokens_in_content
+        return llm.tokenizer.encode_chat(job.messages, special_tokens_in_content=allowed)
     except (jinja2.TemplateError, TypeError, KeyError) as e:
         raise ValueError(f"the chat template failed on these messages: {e}") from None
 
@@ -294,7 +302,12 @@ def run_batch(
                 new_tokens += n - seen_tokens.get(out.request_id, 0)
                 seen_tokens[out.request_id] = n
                 if out.finished:
-                    finished.append(result_record(in_flight.pop(out.request_id), out, llm.tokenizer))
+                    job, error = in_flight.pop(out.request_id), out.outputs[0].error
+                    if error is None:
+                        finished.append(result_record(job, out, llm.tokenizer))
+                    else:  # not written: a rerun runs the line again
+                        summary.failed.append(LineError(job.line_no, error))
+                        tqdm.write(f"{input_path}:{job.line_no}: failed: {error}", file=sys.stderr)
                     del seen_tokens[out.request_id]
             summary.completion_tokens += new_tokens
             log.count(new_tokens, len(finished))
@@ -304,8 +317,9 @@ def run_batch(
                 summary.done += len(finished)
             elapsed = time.perf_counter() - start
             bar.set_postfix_str(f"{summary.completion_tokens / max(elapsed, 1e-9):.1f} tok/s", refresh=False)
-            bar.update(summary.done + lines.resumed + len(lines.errors) - bar.n)
-        bar.update(summary.done + lines.resumed + len(lines.errors) - bar.n)  # lines read after the last step
+            bar.update(summary.done + lines.resumed + len(lines.errors) + len(summary.failed) - bar.n)
+        # the lines read after the last step
+        bar.update(summary.done + lines.resumed + len(lines.errors) + len(summary.failed) - bar.n)
     except KeyboardInterrupt:
         done = summary.done + lines.resumed
         raise KeyboardInterrupt(

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable, Iterable
 
 from moelaunch.engine.drive import run_to_completion
-from moelaunch.engine.outputs import RequestOutput
+from moelaunch.engine.outputs import RequestOutput, raise_if_failed
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.text.reasoning import ReasoningSplit, prompt_opens_reasoning
 from moelaunch.text.streaming import IncrementalText
@@ -66,8 +66,9 @@ def chat_loop(engine, tokenizer, params: Callable[[int], SamplingParams], lines:
             )
         engine.add_request(f"chat-{turn}", prompt_ids, turn_params)
         reply = AnswerPrinter(tokenizer, prompt_ids)
-        run_to_completion(engine, reply)
+        done = run_to_completion(engine, reply)
         print(flush=True)
+        raise_if_failed(list(done.values()))
         messages.append({"role": "assistant", "content": reply.split.answer})
 
 

@@ -98,7 +98,7 @@ def run_batch_job(client: LLM, cfg: DeployConfig) -> int:
     base_seed = defaults.pop("seed") or 0
     summary = run_batch(client, Path(job.input), Path(job.output), defaults, base_seed)
     print(summary.line(Path(job.output)))
-    return 0
+    return summary.exit_code
 
 
 def run_bench_job(client: LLM, cfg: DeployConfig) -> int:

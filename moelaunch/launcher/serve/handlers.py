@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from moelaunch.engine.drive import Request
+from moelaunch.engine.outputs import ERROR, non_finite_logits_error
 from moelaunch.launcher.deploy.config import show_value
 from moelaunch.launcher.serve import responses
 from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
@@ -68,6 +69,7 @@ class ServerState:
     max_body_bytes: int
     vocab_size: int  # the model's: token ids in a request must be below it
     strict: bool = False  # server.strict: an unknown request field is a 400, not a log line
+    special_tokens_in_content: bool = False  # server.allow_special_tokens_in_content
 
 
 @dataclass
@@ -98,6 +100,7 @@ async def chat_completions(state: ServerState, http: HTTPRequest) -> Any:
         state.tokenizer, [m.as_template_input() for m in req.messages], req.tools
     )
     variables = {**(req.chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
+    variables["special_tokens_in_content"] = state.special_tokens_in_content  # after: not the client's
     try:
         prompt_ids = state.tokenizer.encode_chat(messages, req.add_generation_prompt, **variables)
     except (jinja2.TemplateError, TypeError, ValueError) as e:
@@ -310,13 +313,17 @@ def _abort_unfinished(state: ServerState, call: _Call, done: dict) -> None:
 
 async def _next(state: ServerState, outputs: OutputStream) -> Progress:
     try:
-        return await outputs.get()
+        progress = await outputs.get()
     except EngineFailed as e:
         state.metrics.requests.labels("503").inc()
         raise APIError(503, str(e)) from None
     except ValueError as e:  # the engine refused the request (e.g. a token id outside the vocabulary)
         state.metrics.requests.labels("400").inc()
         raise APIError(400, str(e)) from None
+    if any(c.finish_reason == ERROR for c in progress.choices):  # the only cause: non-finite logits
+        state.metrics.requests.labels("500").inc()
+        raise APIError(500, non_finite_logits_error([]))
+    return progress
 
 
 def _whole(state: ServerState, call: _Call, finished: dict[str, Progress]) -> dict[str, Any]:

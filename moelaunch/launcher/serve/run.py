@@ -49,6 +49,7 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         max_body_bytes=s.max_body_bytes,
         vocab_size=load_args(cfg.model).vocab_size,
         strict=s.strict,
+        special_tokens_in_content=s.allow_special_tokens_in_content,
     )
     host, port = sock.getsockname()[:2]
     loop.start()

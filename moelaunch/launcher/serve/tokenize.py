@@ -36,7 +36,9 @@ def tokenize(state: Any, req: TokenizeRequest) -> dict[str, Any]:
         ids = tok.encode(req.prompt)
     else:
         try:
-            ids = tok.encode_chat([m.as_template_input() for m in req.messages], req.add_generation_prompt)
+            messages = [m.as_template_input() for m in req.messages]
+            allowed = state.special_tokens_in_content
+            ids = tok.encode_chat(messages, req.add_generation_prompt, special_tokens_in_content=allowed)
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template failed on these messages: {e}") from None
     strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if req.return_token_strs else None

@@ -14,13 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from moelaunch.text.content_spans import CONTENT_PARTS, joined
 from moelaunch.text.tokenizer import Tokenizer
 from moelaunch.text.tool_markup import (
     ParsedCall,
     StreamedCalls,
+    calls_parts,
+    output_parts,
     parse_calls,
-    render_calls,
-    render_output,
     render_tools,
 )
 
@@ -110,12 +111,14 @@ def template_messages(
 def _in_markup(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for m in messages:
+        # The parts tell the markup written here (control tokens) from the client's text inside it.
         if m["role"] == "tool":
-            m = {"role": "user", "content": render_output(m["content"])}
+            parts = output_parts(m["content"])
+            m = {"role": "user", "content": joined(parts), CONTENT_PARTS: parts}
         elif m.get("tool_calls"):
-            calls = m["tool_calls"]
+            parts = [(m["content"], False), *calls_parts(m["tool_calls"])]
             m = {k: v for k, v in m.items() if k != "tool_calls"}
-            m["content"] += render_calls(calls)
+            m.update({"content": joined(parts), CONTENT_PARTS: parts})
         out.append(m)
     return out
 
