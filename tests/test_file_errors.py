@@ -61,7 +61,7 @@ def test_a_broken_checkpoint_file_is_named(tmp_path, capsys, file, change, says)
     [
         (["batch", "--model", str(BUNDLED / "model.safetensors"), "--input", "{p}", "--output", "{o}"],
          "is a weights file: give the checkpoint directory"),
-        (["batch", "--model", str(BUNDLED), "--input", "{d}", "--output", "{o}"], "a directory, not a file"),
+        (["batch", "--model", str(BUNDLED), "--input", "{d}", "--output", "{o}"], "is a directory;"),
         (["plan", "{d}"], "is a directory"),
         (["plan", "{b}"], "not UTF-8 text"),
     ],

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from moelaunch.tasks.problem_sets import training_conversations
+from moelaunch.text.files import read_text
 from moelaunch.text.tokenizer import Message, Tokenizer
 from moelaunch.training.small_model.data import encode
 
@@ -21,10 +22,8 @@ DEFAULT_PROMPTS = 256
 def read_conversations(file: str | Path) -> list[list[Message]]:
     """The file's prompts as chat turns; one clear error for a line that is neither form."""
     path = Path(file)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} not found")
     conversations = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         if path.suffix != ".jsonl":

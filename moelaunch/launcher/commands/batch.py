@@ -17,6 +17,7 @@ from moelaunch.engine.llm import LLM
 from moelaunch.launcher.commands import count, sampling_value
 from moelaunch.launcher.jobs.batch import run_batch
 from moelaunch.launcher.jobs.output_path import check_writable
+from moelaunch.text.files import check_readable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,9 +65,7 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.input.is_file():  # before loading the model, which can take minutes
-        kind = "a directory, not a file" if args.input.is_dir() else "no such file"
-        raise FileNotFoundError(f"--input {args.input}: {kind}")
+    check_readable(args.input, "--input")  # before loading the model, which can take minutes
     check_writable(args.output, "--output")
     options: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.max_model_len:

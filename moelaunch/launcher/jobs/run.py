@@ -28,6 +28,7 @@ from moelaunch.launcher.ray_llm import RayLLM
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape
 from moelaunch.tasks.capabilities import capabilities_line
+from moelaunch.text.files import check_readable, is_missing
 
 DEMO_QUESTIONS = (
     "What is 123+456?",
@@ -139,8 +140,9 @@ def check_job_files(cfg: DeployConfig) -> None:
     """The job's input and output, checked before the model loads."""
     job = cfg.job
     if job.mode == "batch":
-        if not Path(job.input).is_file():
+        if is_missing(Path(job.input)):
             raise cfg.error("job.input", job.input, "an existing JSONL file of prompts")
+        check_readable(Path(job.input), "job.input")
         check_writable(Path(job.output), "job.output")
     if job.mode == "bench" and job.output:
         check_writable(Path(job.output), "job.output")
