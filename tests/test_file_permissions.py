@@ -71,3 +71,34 @@ def test_a_file_this_user_cannot_read_is_named_as_such(tmp_path):
         assert "Traceback" not in err and "No such file" not in err and err.count("\n") == 1, (argv, err)
     assert not (tmp_path / "pruned").exists() and not (tmp_path / "student").exists()
     assert not Path(out).exists()
+
+
+def test_writing_where_this_user_cannot_write_fails_first_and_writes_nothing(tmp_path):
+    read_only = tmp_path / "ro"
+    (read_only / "empty").mkdir(parents=True)
+    (read_only / "empty").chmod(0o555)
+    read_only.chmod(0o555)
+    deploy = tmp_path / "deploy.yaml"
+    job = {"mode": "batch", "input": "in.jsonl", "output": "out.jsonl"}
+    deploy.write_text(yaml.safe_dump({"model": str(BUNDLED), "cluster": {"backend": "slurm"}, "job": job}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hi"}\n')
+    new, empty = read_only / "new", read_only / "empty"
+    cases: list[tuple[list[str], Path]] = [
+        (["convert", "quantize-int8", str(BUNDLED), str(new)], new),
+        (["convert", "quantize-int8", str(BUNDLED), str(empty)], empty),
+        (["prune", str(BUNDLED), str(new), "--sparsity", "0.5"], new),
+        (["distill", str(BUNDLED), str(new), "--layers", "2", "--experts", "4", "--n-group", "2"], new),
+        (["bench", "--make-model", str(new)], new),
+        (["report", "--out", str(new)], new),
+        (["batch", "--model", str(BUNDLED), "--input", str(prompts), "--output", str(new)], new),
+        (["slurm", str(deploy), "--script", str(new)], new),
+        (["k8s", str(deploy), "--set", "cluster.device=cpu", "--set", "job.mode=serve", "--image", "x",
+          "--output", str(new)], new),
+    ]  # fmt: skip
+    results = launch_unprivileged([argv for argv, _ in cases])
+    for (argv, path), (code, err) in zip(cases, results, strict=True):
+        assert code == 1, (argv, err)
+        assert f" {path}: " in err and "is not writable" in err, (argv, err)
+        assert "Traceback" not in err and err.count("\n") == 1, (argv, err)
+    assert [p.name for p in read_only.iterdir()] == ["empty"] and not any(empty.iterdir())
