@@ -1,7 +1,8 @@
 """`launch batch --model DIR --input prompts.jsonl --output results.jsonl [--tp --dp --pp ...]`.
 
 Runs every input line through the engine and appends one result line per request as it finishes;
-rerunning the same command resumes (ids already in the output are skipped). Bad input lines are
+rerunning the same command resumes (ids already in the output are skipped); a second run on an output
+that a run is writing fails at once (the output's lock, OUTPUT.lock). Bad input lines are
 reported on stderr with their line numbers and skipped. The last stdout line is a summary; the exit
 code is 0 once every runnable line is in the output, even when some lines were skipped (the summary
 lists them), so a rerun after fixing those lines runs only them.
@@ -16,6 +17,7 @@ from typing import Any
 from moelaunch.engine.llm import LLM
 from moelaunch.launcher.commands import count, sampling_value
 from moelaunch.launcher.jobs.batch import run_batch
+from moelaunch.launcher.jobs.output_lock import output_lock
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.text.files import check_readable
 
@@ -72,7 +74,10 @@ def run(args: argparse.Namespace) -> int:
         options["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
-    with LLM(args.model, tp=args.tp, dp=args.dp, pp=args.pp, dtype=args.dtype, **options) as llm:
+    with (
+        output_lock(args.output),  # a second run on this output fails here, before its model loads
+        LLM(args.model, tp=args.tp, dp=args.dp, pp=args.pp, dtype=args.dtype, **options) as llm,
+    ):
         summary = run_batch(
             llm,
             args.input,

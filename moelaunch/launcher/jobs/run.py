@@ -23,6 +23,7 @@ from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.launcher.jobs.chat import chat_loop, lenient_stdin, terminal_lines
+from moelaunch.launcher.jobs.output_lock import output_lock
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_llm import RayLLM
 from moelaunch.model.weight_spec import WeightSpec
@@ -184,6 +185,8 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
         # A new user's first chat: the CPU kernels build in the background while it answers.
         os.environ.setdefault("MOELAUNCH_CPU_KERNELS", "background")
     with contextlib.ExitStack() as resources:
+        if cfg.job.mode == "batch":  # one run per output file; a second fails here, before loading
+            resources.enter_context(output_lock(Path(cfg.job.output)))
         if cfg.job.mode == "serve":
             from moelaunch.launcher.serve.listen import bind_server_socket
 
