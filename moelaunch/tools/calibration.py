@@ -11,6 +11,8 @@ import itertools
 import json
 from pathlib import Path
 
+import jinja2
+
 from moelaunch.tasks.problem_sets import training_conversations
 from moelaunch.text.files import read_text
 from moelaunch.text.tokenizer import Message, Tokenizer
@@ -33,15 +35,29 @@ def read_conversations(file: str | Path) -> list[list[Message]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-        if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        if isinstance(record, dict) and _is_conversation(record.get("messages")):
             conversations.append(record["messages"])
         elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
             conversations.append([{"role": "user", "content": record["prompt"]}])
         else:
-            raise ValueError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+            raise ValueError(
+                f'{path}:{n}: expected {{"prompt": "..."}} or {{"messages": [{{"role": "...", "content": '
+                '"..."}, ...]}'
+            )
     if not conversations:
         raise ValueError(f"prompt file {path} holds no prompts")
     return conversations
+
+
+def _is_conversation(messages: object) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
 
 
 def generated_sequences(tok: Tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -62,4 +78,12 @@ def calibration_sequences(
     tok = Tokenizer.from_dir(model_dir)
     if file is None:
         return generated_sequences(tok, n, seed)
-    return [encode_conversation(tok, c) for c in read_conversations(file)]
+    sequences = []
+    for n, conversation in enumerate(read_conversations(file), 1):
+        try:
+            sequences.append(encode_conversation(tok, conversation))
+        except jinja2.TemplateError as e:  # e.g. a role the checkpoint's template does not know
+            raise ValueError(
+                f"prompt file {file}: conversation {n}: the chat template refused it ({e})"
+            ) from None
+    return sequences
