@@ -12,15 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def lock_path(output: Path) -> Path:
-    return output.with_name(output.name + ".lock")
-
-
 @contextlib.contextmanager
 def output_lock(output: Path) -> Iterator[None]:
     """Hold the output's lock for the block; ValueError naming the output and the other run's pid when
     another run holds it (no wait: that run may take hours)."""
-    path = lock_path(output)
+    path = output.with_name(output.name + ".lock")
     fd = _acquire(path, output)
     try:
         os.ftruncate(fd, 0)
