@@ -195,6 +195,52 @@ def test_ctrl_c_on_a_two_rank_batch_is_one_line_and_the_rerun_finishes(checkpoin
     assert sorted(read_results(out)) == sorted(r["id"] for r in lines)
 
 
+def test_a_second_run_on_one_output_is_refused_while_the_first_runs(checkpoint, tmp_path):
+    """Two runs on one output once ran every id twice. The first holds OUTPUT.lock from before its model
+    loads (stopped there with SIGSTOP, so the race is certain); the second fails at once, naming the
+    output and the first's pid; the first then finishes with every id once."""
+    lines = [{"id": f"r{i}", "prompt": f"request {i}", "max_tokens": 4} for i in range(6)]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    lock = tmp_path / "out.jsonl.lock"
+    args = batch_args(checkpoint, inp, out)
+    first = start_batch(args)
+    deadline = time.monotonic() + 60
+    while first.poll() is None and not (lock.exists() and lock.read_text().strip()):
+        assert time.monotonic() < deadline, "the first run never took the lock"
+        time.sleep(0.02)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        assert lock.read_text().strip() == str(first.pid)
+        second = start_batch(args)
+        _, err = second.communicate(timeout=120)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert second.returncode == 1
+    assert f"{out} is being written by another run (pid {first.pid}" in err and err.count("\n") == 1
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    first.stderr.close()
+    assert sorted(read_results(out)) == sorted(r["id"] for r in lines)
+    assert not lock.exists()  # removed by the run that held it
+
+
+def test_an_output_with_repeated_ids_keeps_the_first_of_each(checkpoint, tmp_path, capsys):
+    """What two runs at once wrote before the lock: a rerun once kept both copies of each id."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": i, "max_tokens": 2} for i in "abc"])
+    out = write_jsonl(tmp_path / "out.jsonl", [
+        {"id": "a", "text": "first a"}, {"id": "b", "text": "b"}, {"id": "a", "text": "second a"},
+        "not a result", {"id": "b", "text": "b"},
+    ])  # fmt: skip
+    assert main(batch_args(checkpoint, inp, out)) == 0
+    captured = capsys.readouterr()
+    assert "removed 2 line(s) repeating an id already there" in captured.err
+    assert "batch: 1 done, 2 already in" in captured.out
+    rows = out.read_text().splitlines()
+    assert rows[2] == "not a result"  # a line that is not a result is the user's: kept where it was
+    assert [json.loads(r)["id"] for r in rows if r.startswith("{")] == ["a", "b", "c"]
+    assert json.loads(rows[0])["text"] == "first a"
+
+
 @pytest.mark.parametrize(
     ("output", "says"), [("missing/dir/out.jsonl", "does not exist"), (".", "is a directory")]
 )

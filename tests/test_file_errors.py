@@ -61,7 +61,7 @@ def test_a_broken_checkpoint_file_is_named(tmp_path, capsys, file, change, says)
     [
         (["batch", "--model", str(BUNDLED / "model.safetensors"), "--input", "{p}", "--output", "{o}"],
          "is a weights file: give the checkpoint directory"),
-        (["batch", "--model", str(BUNDLED), "--input", "{d}", "--output", "{o}"], "a directory, not a file"),
+        (["batch", "--model", str(BUNDLED), "--input", "{d}", "--output", "{o}"], "is a directory;"),
         (["plan", "{d}"], "is a directory"),
         (["plan", "{b}"], "not UTF-8 text"),
     ],
@@ -87,3 +87,34 @@ def test_any_bytes_as_config_json_are_a_config_error_naming_it(tmp_path, data):
     (tmp_path / "config.json").write_bytes(data)
     with pytest.raises(ConfigError, match="config.json"):
         load_args(tmp_path)
+
+
+# Values a JSON line of a prompt file may hold where a prompt or a conversation goes.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["role", "content", "x"]), inner)
+    ),
+    max_leaves=8,
+)
+prompt_lines = st.lists(
+    st.fixed_dictionaries({}, optional={"prompt": json_values, "messages": json_values}).map(json.dumps)
+    | st.text(max_size=30),
+    max_size=4,
+).map(lambda lines: "\n".join(lines).encode())
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=200) | prompt_lines, suffix=st.sampled_from([".jsonl", ".txt"]))
+def test_any_bytes_as_a_prompt_file_are_prompts_or_an_error_naming_it(tmp_path, data, suffix):
+    """`prune --calibration` and `distill --prompts` files: token ids, or one ValueError naming the file."""
+    from moelaunch.tools.calibration import calibration_sequences
+
+    path = tmp_path / f"prompts{suffix}"
+    path.write_bytes(data)
+    try:
+        sequences = calibration_sequences(BUNDLED, path)
+    except ValueError as e:
+        assert str(path) in str(e)
+    else:
+        assert sequences and all(isinstance(t, int) for s in sequences for t in s)

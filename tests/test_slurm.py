@@ -109,6 +109,29 @@ def test_here_outside_an_allocation_says_so(tmp_path, capsys, monkeypatch):
     assert "cluster.nodes is 2 but job 7 has 1 node(s)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "script, says",
+    [("{tmp}", "is a directory: give a file path"), ("{tmp}/no/dir/job.sbatch", "does not exist; create it")],
+)
+def test_a_script_path_that_cannot_be_written_is_refused(tmp_path, capsys, script, says):
+    cluster = {"nodes": 2, "devices_per_node": 2, "device": "cpu", "device_memory_gb": 4}
+    config = write_config(tmp_path, "tiny-v3.json", {"tp": 2, "dp": 2}, cluster)
+    assert main(["slurm", str(config), "--script", script.format(tmp=tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"launch slurm: error: --script {script.format(tmp=tmp_path)}") and says in err
+
+
+def test_no_sbatch_says_what_to_install_and_how_to_only_write_the_script(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))  # Slurm's client tools are not installed
+    cluster = {"nodes": 2, "devices_per_node": 2, "device": "cpu", "device_memory_gb": 4}
+    config = write_config(tmp_path, "tiny-v3.json", {"tp": 2, "dp": 2}, cluster)
+    script = tmp_path / "job.sbatch"
+    assert main(["slurm", str(config), "--script", str(script)]) == 1
+    err = capsys.readouterr().err
+    assert "sbatch not found on PATH" in err and "slurm-client" in err and "--dry-run > job.sbatch" in err
+    assert err.count("\n") == 1 and not script.exists()
+
+
 # --- a real Slurm: two emulated nodes, each in its own network namespace ------------------------
 
 PROMPTS = {"a": "hello world", "b": "the quick brown fox", "c": "moelaunch", "d": "12+34="}

@@ -19,6 +19,7 @@ from moelaunch.model.loading import has_mtp_weights
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import check_layout
+from moelaunch.text.tokenizer import Tokenizer
 
 
 @dataclass
@@ -35,12 +36,15 @@ class EngineSpec:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be a number of seconds > 0")
 
     def check_against_model(self) -> None:
-        """What can be checked from config.json alone, before any weight loads or worker starts: the
-        checkpoint exists, the layout divides the model, max_model_len fits its positions."""
+        """What can be checked before any weight loads or worker starts: the checkpoint exists and its
+        files are readable, the layout divides the model, max_model_len fits its positions."""
         model = self.weights.model
         args = load_args(model)
         check_layout(args, self.parallel)
-        if self.engine.speculative == "mtp" and not has_mtp_weights(args, CheckpointReader(model)):
+        if not self.engine.skip_tokenizer_init:
+            Tokenizer.check_files(model)
+        reader = CheckpointReader(model)  # every weights file there and readable
+        if self.engine.speculative == "mtp" and not has_mtp_weights(args, reader):
             raise ValueError(
                 f"speculative='mtp' but {model} has no MTP weights (num_nextn_predict_layers): leave "
                 "speculative unset for this checkpoint"

@@ -72,6 +72,13 @@ def main(argv: list[str] | None = None) -> int:
         # User-caused errors (bad paths, configs, checkpoints, dead nodes) carry a message naming the fix.
         print(f"launch{' ' + command if command else ''}: error: {e}", file=sys.stderr)
         return 1
+    except PermissionError as e:  # a file no check foresaw: still one line naming it, no traceback
+        print(
+            f"launch{' ' + command if command else ''}: error: {e.filename}: permission denied for this "
+            "user; fix its permissions (or those of a directory above it) or choose another path",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a job may say how to resume), no traceback
         print(f"launch{' ' + command if command else ''}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130

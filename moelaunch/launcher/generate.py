@@ -30,6 +30,7 @@ from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.model.weight_spec import WEIGHT_DTYPES, WeightSpec
 from moelaunch.parallel.mesh import MeshShape
 from moelaunch.tasks.capabilities import capabilities_line
+from moelaunch.text.files import check_readable, read_text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,7 +76,8 @@ def completion_ids(engine: LLMEngine, ids: list[int]) -> list[int]:
 
 
 def run_file(engine: LLMEngine, args: argparse.Namespace) -> None:
-    prompts = [line for line in Path(args.input_file).read_text().splitlines() if line.strip()]
+    text = read_text(Path(args.input_file), "--input-file")
+    prompts = [line for line in text.splitlines() if line.strip()]
     tok = engine.tokenizer
     for i, prompt in enumerate(prompts):
         engine.add_request(
@@ -109,8 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.output_file:
             check_writable(Path(args.output_file), "--output-file")
-        if args.input_file and not Path(args.input_file).is_file():
-            raise ValueError(f"--input-file {args.input_file} not found")
+        if args.input_file:
+            check_readable(Path(args.input_file), "--input-file")
         engine = build(args)
     except ValueError as e:  # bad input, layout or checkpoint: one line (from global rank 0)
         if RankEnv.from_env().rank == 0:

@@ -8,11 +8,14 @@ of a sharded deployment load just the part of each tensor it owns.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from moelaunch.text.files import check_readable, read_text
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -34,7 +37,7 @@ class CheckpointReader:
         index = self.path / INDEX_FILE
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
+                weight_map = json.loads(read_text(index, "safetensors index"))["weight_map"]
             except (json.JSONDecodeError, KeyError) as e:
                 raise CheckpointError(f"{index} is not a valid safetensors index ({e!r})") from e
             # Shards are files of this directory: an index naming ../x or /x would read elsewhere.
@@ -51,6 +54,8 @@ class CheckpointReader:
                     f"{self.path}: shard file(s) {', '.join(missing)} listed in {INDEX_FILE} are missing "
                     f"(they hold e.g. {example}); copy or re-download them"
                 )
+            for f in sorted(set(weight_map.values())):
+                check_readable(self.path / f, "weights file")  # all now, not one at a time as they load
             return dict(weight_map)
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
@@ -63,6 +68,7 @@ class CheckpointReader:
 
     def _open(self, file: str):
         if file not in self._handles:
+            check_readable(self.path / file, "weights file")  # safetensors calls a denied read "No such file"
             try:
                 self._handles[file] = safe_open(str(self.path / file), framework="pt")
             except (SafetensorError, OSError) as e:
@@ -154,10 +160,28 @@ def check_new_checkpoint_dir(src: str | Path, dst: str | Path) -> None:
 
 def check_empty_destination(dst: str | Path) -> None:
     """Refuse a destination that already holds files (another checkpoint would be overwritten, or mixed
-    with this one): it must be new or an empty directory."""
+    with this one): it must be new or an empty directory, and this user must be able to write it."""
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"destination {dst} exists and is not an empty directory: choose a new one")
+    check_writable_dir(dst)
+
+
+def check_writable_dir(dst: str | Path, what: str = "destination") -> None:
+    """Refuse a directory this user cannot create or write into (read-only, or on a read-only mount)
+    before any work: found at the first file written, it would leave a half-written directory."""
+    dst = Path(dst)
+    existing = dst
+    while not os.path.lexists(existing):  # the directory, or the ancestor mkdir(parents=True) starts from
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{what} {dst}: {existing} is a file, not a directory; choose another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "it" if existing == dst else f"{existing}, where it would be created,"
+        raise ValueError(
+            f"{what} {dst}: {where} is not writable by this user (read-only directory or mount); "
+            "choose a directory you can write, or fix its permissions"
+        )
 
 
 def copy_side_files(src: str | Path, dst: str | Path) -> None:

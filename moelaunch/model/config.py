@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelaunch.text.files import read_text
+from moelaunch.text.files import is_missing, read_text
 
 
 class ConfigError(ValueError):
@@ -226,8 +227,10 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
 def load_args(path: str | Path) -> ModelArgs:
     """Read `config.json` from a checkpoint directory (or the file itself)."""
     p = Path(path)
-    file = p / "config.json" if p.is_dir() else p
-    if not file.exists():
+    # os.path.isdir: Path.is_dir raises PermissionError on a directory this user cannot search, and
+    # read_text names that problem.
+    file = p / "config.json" if os.path.isdir(p) else p
+    if is_missing(file):
         raise ConfigError(f"{file} not found: a checkpoint directory needs a Hugging Face config.json")
     if p.suffix in (".safetensors", ".bin", ".pt"):
         raise ConfigError(f"{p} is a weights file: give the checkpoint directory ({p.parent})")

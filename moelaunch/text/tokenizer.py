@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
 from moelaunch.text.content_spans import CONTENT_PARTS, Span, TemplateNotSplittable, split_rendered
-from moelaunch.text.files import read_text
+from moelaunch.text.files import check_readable, is_missing, read_text
 
 Message = dict[str, Any]
 
@@ -42,12 +42,22 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         self._template = env.from_string(template) if template else None
 
+    @staticmethod
+    def check_files(path: str | Path) -> None:
+        """The checkpoint's tokenizer files are there and readable: checked before the model loads."""
+        file = Path(path) / "tokenizer.json"
+        if is_missing(file):
+            raise FileNotFoundError(f"{file} not found: the checkpoint directory needs a tokenizer.json")
+        check_readable(file, "tokenizer")
+        config_file = Path(path) / "tokenizer_config.json"
+        if not is_missing(config_file):
+            check_readable(config_file, "tokenizer config")
+
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
+        cls.check_files(path)
         path = Path(path)
         file = path / "tokenizer.json"
-        if not file.exists():
-            raise FileNotFoundError(f"{file} not found: the checkpoint directory needs a tokenizer.json")
         config_file = path / "tokenizer_config.json"
         try:
             config = json.loads(read_text(config_file, "tokenizer config")) if config_file.exists() else {}

@@ -11,7 +11,10 @@ import itertools
 import json
 from pathlib import Path
 
+import jinja2
+
 from moelaunch.tasks.problem_sets import training_conversations
+from moelaunch.text.files import read_text
 from moelaunch.text.tokenizer import Message, Tokenizer
 from moelaunch.training.small_model.data import encode
 
@@ -21,10 +24,8 @@ DEFAULT_PROMPTS = 256
 def read_conversations(file: str | Path) -> list[list[Message]]:
     """The file's prompts as chat turns; one clear error for a line that is neither form."""
     path = Path(file)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} not found")
     conversations = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(path, "prompt file").splitlines(), 1):
         if not line.strip():
             continue
         if path.suffix != ".jsonl":
@@ -34,15 +35,29 @@ def read_conversations(file: str | Path) -> list[list[Message]]:
             record = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-        if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        if isinstance(record, dict) and _is_conversation(record.get("messages")):
             conversations.append(record["messages"])
         elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
             conversations.append([{"role": "user", "content": record["prompt"]}])
         else:
-            raise ValueError(f'{path}:{n}: expected {{"prompt": "..."}} or {{"messages": [...]}}')
+            raise ValueError(
+                f'{path}:{n}: expected {{"prompt": "..."}} or {{"messages": [{{"role": "...", "content": '
+                '"..."}, ...]}'
+            )
     if not conversations:
         raise ValueError(f"prompt file {path} holds no prompts")
     return conversations
+
+
+def _is_conversation(messages: object) -> bool:
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
 
 
 def generated_sequences(tok: Tokenizer, n: int, seed: int) -> list[list[int]]:
@@ -63,4 +78,12 @@ def calibration_sequences(
     tok = Tokenizer.from_dir(model_dir)
     if file is None:
         return generated_sequences(tok, n, seed)
-    return [encode_conversation(tok, c) for c in read_conversations(file)]
+    sequences = []
+    for n, conversation in enumerate(read_conversations(file), 1):
+        try:
+            sequences.append(encode_conversation(tok, conversation))
+        except jinja2.TemplateError as e:  # e.g. a role the checkpoint's template does not know
+            raise ValueError(
+                f"prompt file {file}: conversation {n}: the chat template refused it ({e})"
+            ) from None
+    return sequences

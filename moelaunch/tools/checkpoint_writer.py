@@ -16,15 +16,16 @@ from safetensors.torch import save_file
 
 from moelaunch.model.checkpoint import CheckpointReader, copy_side_files
 from moelaunch.model.loading import holds_nonfinite
+from moelaunch.text.files import is_missing, read_text
 
 WEIGHTS_FILE = "model.safetensors"
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
     file = Path(path) / "config.json"
-    if not file.exists():
+    if is_missing(file):
         raise FileNotFoundError(f"{file} not found: give a Hugging Face checkpoint directory")
-    config = json.loads(file.read_text())
+    config = json.loads(read_text(file, "config"))
     if config.get("quantization_config"):
         # Pruned quantized blocks would need new scales: compress first, then quantize the result.
         raise ValueError(

@@ -31,6 +31,7 @@ from moelaunch.model.quantization import (
     quantize_weight,
     stored_quantization,
 )
+from moelaunch.text.files import read_text
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_QUANTIZATION_CONFIG = {
@@ -130,6 +131,7 @@ def _convert(
 ) -> Path:
     src, dst = Path(src), Path(dst)
     reader = CheckpointReader(src)
+    config = json.loads(read_text(src / "config.json", "config"))  # read before anything is written
     check_new_checkpoint_dir(src, dst)
     dst.mkdir(parents=True, exist_ok=True)
     by_file: dict[str, list[str]] = {}
@@ -144,7 +146,6 @@ def _convert(
         index = json.loads((src / INDEX_FILE).read_text())
         index["weight_map"] = dict(sorted(weight_map.items()))
         (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(edit_config(config), indent=2) + "\n")
     copy_side_files(src, dst)
     return dst

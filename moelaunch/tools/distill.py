@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from moelaunch.model import CheckpointReader, Transformer, load_model
-from moelaunch.model.checkpoint import check_new_checkpoint_dir
+from moelaunch.model.checkpoint import check_new_checkpoint_dir, check_writable_dir
+from moelaunch.text.files import check_readable
 from moelaunch.tools.calibration import calibration_sequences
 from moelaunch.tools.checkpoint_writer import (
     read_config,
@@ -66,8 +67,12 @@ def check_config(cfg: DistillConfig) -> dict[str, Any]:
     state = cfg.out / STATE_FILE
     if cfg.resume and not state.exists():
         raise ValueError(f"--resume: {state} not found; start without --resume in a new directory")
-    if not cfg.resume:
+    if cfg.resume:
+        check_writable_dir(cfg.out, "OUT")
+    else:
         check_new_checkpoint_dir(cfg.teacher, cfg.out)
+    if cfg.prompts is not None:  # read once the teacher has loaded: its errors come now
+        check_readable(cfg.prompts, "--prompts file")
     return student_config(read_config(cfg.teacher), cfg.layers, cfg.experts, cfg.n_group, cfg.topk_group)
 
 

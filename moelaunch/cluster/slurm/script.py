@@ -5,10 +5,13 @@ first node), runs the command there with the head's address, and stops Ray every
 from __future__ import annotations
 
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from moelaunch.cluster.errors import ClusterError
 
 RAY = str(Path(sys.executable).with_name("ray"))  # the driver's environment; nodes share the filesystem
 ADDRESS = "{ADDRESS}"  # in `command`: replaced by the head's HOST:PORT inside the job
@@ -82,14 +85,27 @@ def _shell_word(arg: str) -> str:
     return '"$address"'.join(shlex.quote(part) if part else "" for part in arg.split(ADDRESS))
 
 
+def check_sbatch(config: str) -> None:
+    """Before the script is written: without sbatch there is nothing to submit it with."""
+    if shutil.which("sbatch") is None:
+        raise ClusterError(
+            "sbatch not found on PATH: submitting needs Slurm's client tools (Debian/Ubuntu: apt install "
+            "slurm-client, configured for your cluster), or run this on the cluster's login node. To only "
+            f"write the script: launch slurm {config} --dry-run > job.sbatch, then sbatch job.sbatch where "
+            "Slurm is installed"
+        )
+
+
 def submit(script_path: Path, timeout_s: float = 60) -> str:
     """sbatch the script; returns the job id."""
     try:
         done = subprocess.run(
             ["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=timeout_s
         )
-    except FileNotFoundError:
-        raise RuntimeError("sbatch not found: run `launch slurm` on a Slurm login node") from None
+    except subprocess.TimeoutExpired:
+        raise ClusterError(
+            f"sbatch {script_path} gave no answer in {timeout_s:.0f} s: is slurmctld up?"
+        ) from None
     if done.returncode != 0:
-        raise RuntimeError(f"sbatch {script_path} failed: {done.stderr.strip() or done.stdout.strip()}")
+        raise ClusterError(f"sbatch {script_path} failed: {done.stderr.strip() or done.stdout.strip()}")
     return done.stdout.strip().split(";")[0]

@@ -1,7 +1,8 @@
 """`launch batch --model DIR --input prompts.jsonl --output results.jsonl [--tp --dp --pp ...]`.
 
 Runs every input line through the engine and appends one result line per request as it finishes;
-rerunning the same command resumes (ids already in the output are skipped). Bad input lines are
+rerunning the same command resumes (ids already in the output are skipped); a second run on an output
+that a run is writing fails at once (the output's lock, OUTPUT.lock). Bad input lines are
 reported on stderr with their line numbers and skipped. The last stdout line is a summary; the exit
 code is 0 once every runnable line is in the output, even when some lines were skipped (the summary
 lists them), so a rerun after fixing those lines runs only them; it is 1 when a line failed as it ran
@@ -17,7 +18,9 @@ from typing import Any
 from moelaunch.engine.llm import LLM
 from moelaunch.launcher.commands import count, sampling_value
 from moelaunch.launcher.jobs.batch import run_batch
+from moelaunch.launcher.jobs.output_lock import output_lock
 from moelaunch.launcher.jobs.output_path import check_writable
+from moelaunch.text.files import check_readable
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,16 +68,17 @@ def sampling_defaults(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.input.is_file():  # before loading the model, which can take minutes
-        kind = "a directory, not a file" if args.input.is_dir() else "no such file"
-        raise FileNotFoundError(f"--input {args.input}: {kind}")
+    check_readable(args.input, "--input")  # before loading the model, which can take minutes
     check_writable(args.output, "--output")
     options: dict[str, Any] = {"max_num_seqs": args.max_num_seqs}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     if args.kv_cache_memory:
         options["kv_cache_memory"] = args.kv_cache_memory
-    with LLM(args.model, tp=args.tp, dp=args.dp, pp=args.pp, dtype=args.dtype, **options) as llm:
+    with (
+        output_lock(args.output),  # a second run on this output fails here, before its model loads
+        LLM(args.model, tp=args.tp, dp=args.dp, pp=args.pp, dtype=args.dtype, **options) as llm,
+    ):
         summary = run_batch(
             llm,
             args.input,

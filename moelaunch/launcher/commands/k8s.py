@@ -13,6 +13,7 @@ from moelaunch.launcher.commands import add_deployment_arguments, count
 from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.k8s import K8sOptions, Volume, manifests, to_yaml
 from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.launcher.jobs.output_path import check_writable
 
 # RFC 1123 label: the object names are used as DNS names (the Service, the head's service)
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
@@ -66,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None:
         sys.stdout.write(to_yaml(objects))
         return 0
+    check_writable(Path(args.output), "--output")  # a directory or a read-only place: one line, no traceback
     Path(args.output).write_text(to_yaml(objects))
     kinds = ", ".join(obj["kind"] for obj in objects)
     print(f"wrote {kinds} to {args.output}; apply with `kubectl apply -f {args.output}`")

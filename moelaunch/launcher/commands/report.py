@@ -21,7 +21,7 @@ from moelaunch.measure.report.measure import ENTRY_PREFIX, Entry, MeasureSpec, W
 from moelaunch.measure.report.methods import DISTILLED, METHODS, Method
 from moelaunch.measure.report.render import chart, markdown, text_table, write_json
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT
-from moelaunch.model.checkpoint import CheckpointReader
+from moelaunch.model.checkpoint import CheckpointReader, check_writable_dir
 from moelaunch.model.config import load_args
 from moelaunch.model.loading import has_mtp_weights
 from moelaunch.tasks.problem_sets import HELD_OUT_SIZE
@@ -59,12 +59,8 @@ def _check(args: argparse.Namespace) -> Workload:
         raise ValueError(f"{args.model}: a vocabulary of {vocab} leaves no tokens for the probe prompts")
     if args.device == "cuda" and not _has_cuda():
         raise ValueError("--device cuda: no CUDA GPU is visible here; leave --device out or use --device cpu")
-    try:
-        args.out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(
-            f"--out {args.out}: cannot create it ({e.strerror}); choose another directory"
-        ) from None
+    check_writable_dir(args.out, "--out")
+    args.out.mkdir(parents=True, exist_ok=True)
     check_writable(args.out / "report.json", "--out")
     return Workload(args.input_len, args.output_len, args.batch, args.n_problems, args.kv_cache_memory)
 

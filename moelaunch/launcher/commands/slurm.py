@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moelaunch.cluster.slurm.script import submit
+from moelaunch.cluster.slurm.script import check_sbatch, submit
 from moelaunch.launcher.commands import add_deployment_arguments
 from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.launcher.deploy.slurm import run_in_allocation, sbatch_job
+from moelaunch.launcher.jobs.output_path import check_writable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +30,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_deploy_config(args.config, args.overrides)
+    path = Path(args.script or f"{Path(args.config).stem}.sbatch").resolve()
+    if not (args.dry_run or args.here):
+        check_writable(path, "--script")
+        check_sbatch(args.config)
     plan = build_plan(cfg)  # a layout that cannot work fails here, not after hours in the queue
     if not plan.fits:
         raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
@@ -39,7 +44,6 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
-    path = Path(args.script or f"{Path(args.config).stem}.sbatch").resolve()
     path.write_text(script)
     job_id = submit(path)
     print(f"submitted Slurm job {job_id} ({path}); output: {job.workdir}/{job.name}-{job_id}.out")

@@ -9,13 +9,16 @@ Output lines are `{"id", "text", "token_ids", "finish_reason", "usage"}` (and "r
 a chat reply thought first: "text" is then its answer) in completion order, each
 step's finished requests written, flushed and fsync'ed together, so a killed job loses only requests
 still in flight. Rerunning the same command skips the ids already in the output (resume); a torn
-last line from a kill mid-write is cut off first, and its request runs again.
+last line from a kill mid-write is cut off first, and its request runs again. One run at a time writes
+an output (output_lock: a second fails at once), and an output holding an id twice (written by two
+runs at once before that lock) is rewritten with each id's first line.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -141,15 +144,17 @@ class InputLines:
 
 
 class ResultWriter:
-    """Appends result lines to the output, each step's batch flushed and fsync'ed.
+    """Appends result lines to the output, each step's batch flushed and fsync'ed. The caller holds the
+    output's lock (output_lock): one writer per file.
 
     Opening reads the ids already there. A last line without its newline is the torn end of a write
-    that a kill interrupted: it is cut off, so its request runs again and is written once, whole."""
+    that a kill interrupted: it is cut off, so its request runs again and is written once, whole. An id
+    written twice (two runs at once, before runs took the lock) keeps its first line only."""
 
     def __init__(self, path: Path, warn: Callable[[str], None]) -> None:
         self.path = path
         self.done_ids: set[str] = set()
-        good_end = 0
+        good_end, repeats = 0, 0
         if path.exists():
             with open(path, "rb") as f:
                 for line_no, raw in enumerate(f, start=1):
@@ -160,9 +165,14 @@ class ResultWriter:
                     rid = _result_id(raw)
                     if rid is None:
                         warn(f"{path}:{line_no}: not a result line; ignored")
+                    elif rid in self.done_ids:
+                        repeats += 1
                     else:
                         self.done_ids.add(rid)
-            if good_end < path.stat().st_size:
+            if repeats:
+                _drop_repeated_ids(path, good_end)
+                warn(f"{path}: removed {repeats} line(s) repeating an id already there; kept each id's first")
+            elif good_end < path.stat().st_size:
                 os.truncate(path, good_end)
         self._file = open(path, "ab")
 
@@ -174,6 +184,28 @@ class ResultWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_repeated_ids(path: Path, end: int) -> None:
+    """Rewrite path[:end] keeping the first line of each id (and every other line), replacing the file
+    at once: a kill mid-way leaves the old file whole."""
+    tmp = path.with_name(path.name + ".dedup")
+    seen: set[str] = set()
+    read = 0
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        for raw in src:
+            read += len(raw)
+            if read > end:
+                break  # the torn last line
+            rid = _result_id(raw)
+            if rid is None or rid not in seen:
+                dst.write(raw)
+            if rid is not None:
+                seen.add(rid)
+        dst.flush()
+        os.fsync(dst.fileno())
+    shutil.copymode(path, tmp)
+    os.replace(tmp, path)
 
 
 def _result_id(raw: bytes) -> str | None:

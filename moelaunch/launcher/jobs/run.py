@@ -23,11 +23,13 @@ from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.plan import LaunchPlan, build_plan
 from moelaunch.launcher.jobs.chat import chat_loop, lenient_stdin, terminal_lines
+from moelaunch.launcher.jobs.output_lock import output_lock
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.launcher.ray_llm import RayLLM
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape
 from moelaunch.tasks.capabilities import capabilities_line
+from moelaunch.text.files import check_readable, is_missing
 
 DEMO_QUESTIONS = (
     "What is 123+456?",
@@ -141,8 +143,9 @@ def check_job_files(cfg: DeployConfig) -> None:
     """The job's input and output, checked before the model loads."""
     job = cfg.job
     if job.mode == "batch":
-        if not Path(job.input).is_file():
+        if is_missing(Path(job.input)):
             raise cfg.error("job.input", job.input, "an existing JSONL file of prompts")
+        check_readable(Path(job.input), "job.input")
         check_writable(Path(job.output), "job.output")
     if job.mode == "bench" and job.output:
         check_writable(Path(job.output), "job.output")
@@ -184,6 +187,8 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
         # A new user's first chat: the CPU kernels build in the background while it answers.
         os.environ.setdefault("MOELAUNCH_CPU_KERNELS", "background")
     with contextlib.ExitStack() as resources:
+        if cfg.job.mode == "batch":  # one run per output file; a second fails here, before loading
+            resources.enter_context(output_lock(Path(cfg.job.output)))
         if cfg.job.mode == "serve":
             from moelaunch.launcher.serve.listen import bind_server_socket
 
