@@ -154,7 +154,7 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         # Engine thread only: the requests in the engine, and those waiting for it by client.
         self._streams: dict[str, OutputStream] = {}
-        self._in_engine: dict[str, int] = {}  # request id: its sequences
+        self._in_engine: dict[str, int] = {}  # request id: its unfinished sequences
         self._queued: dict[str, deque[_Submit]] = {}  # by client, in order of arrival
         self._served_at: dict[str, int] = {}  # a waiting client's last turn; one never served goes first
         self._turns = itertools.count()
@@ -315,7 +315,11 @@ class EngineLoop:
         stream = self._streams.get(progress.request_id)
         if progress.finished:
             self._streams.pop(progress.request_id, None)
-            self._release(self._in_engine.pop(progress.request_id, 0))
+            self._in_engine.pop(progress.request_id, None)
+            self._release(len(progress.choices))
+        elif progress.request_id in self._in_engine:
+            # A finished sequence's slot takes the next request at once, not when its siblings end.
+            self._in_engine[progress.request_id] = sum(c.finish_reason is None for c in progress.choices)
         if stream is not None:
             stream.put(progress)
 
