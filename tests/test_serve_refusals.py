@@ -19,12 +19,8 @@ TEXT = {"model": "small", "prompt": "hi", "max_tokens": 2}
 NUL_CHAT = {**CHAT, "messages": [{"role": "user", "content": "a\x00b"}]}
 CASES = [
     ("completions", {**TEXT, "prompt": ["hi"] * 300}, "prompt", "300 sequences in one request"),
-    (
-        "completions",
-        {**TEXT, "prompt": ["hi"] * 20, "n": 16},
-        "prompt",
-        "320 sequences in one request (20 prompts x n 16)",
-    ),
+    # 40 prompts were queued when the limit counted requests; 640 sequences are past any default limit.
+    ("completions", {**TEXT, "prompt": ["hi"] * 40, "n": 16}, "prompt", "640 sequences in one request (40"),
     ("chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
     ("chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ("completions", {**TEXT, "stop_token_ids": [99999]}, "stop_token_ids", "not in the vocabulary"),
