@@ -65,7 +65,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def bug(request: Request, error: Exception) -> JSONResponse:
         # Starlette still logs the traceback (and re-raises after this answer).
         count(state, request.url.path, 500)
-        body = responses.error_body(f"internal error: {error!r}", "server_error", None, 500)
+        body = responses.error_body(
+            f"internal server error ({type(error).__name__}); the server's log has the traceback",
+            "server_error",
+            None,
+            500,
+        )
         return JSONResponse(body, 500)
 
     @app.exception_handler(404)
