@@ -115,7 +115,7 @@ def test_training_scores_the_last_reply_whole_and_earlier_answers_written_withou
 def _serve(checkpoint: str):
     """A checkpoint behind the HTTP app, in process, with the offline API beside it."""
     llm = LLM(checkpoint)
-    loop = EngineLoop(llm.engine, capacity=8, keepalive_s=60)
+    loop = EngineLoop(llm.engine, room=8, max_queue=0, keepalive_s=60, stall_timeout_s=60)
     state = ServerState(
         loop,
         llm.tokenizer,

@@ -1,6 +1,7 @@
 """`launch serve` as clients use it: the official `openai` client against a running server on a 2-rank
 layout (local backend, tp=2), compared with the offline LLM API; errors, the API key, streaming, a
-client that disconnects, metrics, a quiet server outliving the collective timeout, and a rank failure."""
+client that disconnects, metrics (each call counted once), a quiet server outliving the collective
+timeout, a stopped rank (SIGSTOP) failing requests on the server's clock, and a rank failure."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.slow
 
 KEY = "test-key"
 MODEL = "tiny-served"
-COLLECTIVE_S = 6  # the server must keep its worker rank alive through longer quiet spells
+COLLECTIVE_S = 10  # the server must keep its worker rank alive through longer quiet spells
+STALL_S = 3  # server.stall_timeout_s: well inside COLLECTIVE_S, so a stopped rank is the stall's to report
 PROMPTS = ["hello", "What is 2+2?", "abc", "the quick brown fox", "x", "tell me"]
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -46,7 +48,7 @@ def server(checkpoint, tmp_path_factory):
         "engine: {max_num_seqs: 4, max_model_len: 256}\n"
         "cluster: {backend: local, devices_per_node: 2, device: cpu, timeouts: {collective_s: %d}}\n"
         "server: {port: %d, api_key: %s, served_model_name: %s, max_queue: 3, max_body_bytes: 20000,"
-        " log_interval_s: 1, strict: true}\n" % (COLLECTIVE_S, port, KEY, MODEL)
+        " log_interval_s: 1, strict: true, stall_timeout_s: %d}\n" % (COLLECTIVE_S, port, KEY, MODEL, STALL_S)
     )
     with served(config, port) as server:
         yield server
@@ -250,6 +252,59 @@ def settled_metrics(server, names: tuple[str, ...], timeout_s: float = 20) -> tu
         values = again
 
 
+def statuses(server) -> dict[str, float]:
+    text = httpx.get(f"{server['url']}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    found = re.findall(r'^moelaunch_requests_total\{status="(\w+)"\} (\S+)$', text, re.M)
+    return {status: float(value) for status, value in found}
+
+
+def settled_statuses(server, timeout_s: float = 20) -> dict[str, float]:
+    """The calls counted so far, once nothing moves them (a stream's end is counted as it closes)."""
+    deadline = time.monotonic() + timeout_s
+    values = statuses(server)
+    while True:
+        time.sleep(0.5)
+        again = statuses(server)
+        if again == values and not metric(server, "moelaunch_num_requests_running"):
+            return values
+        assert time.monotonic() < deadline, "the request counts kept moving with no request in flight"
+        values = again
+
+
+def counted_since(server, before: dict[str, float]) -> dict[str, float]:
+    after = settled_statuses(server)
+    return {s: after[s] - before.get(s, 0) for s in after if after[s] != before.get(s, 0)}
+
+
+def test_every_call_is_counted_once_by_how_it_ended(server):
+    """Refused calls were counted twice, and a refused stream as 400 and aborted. (A whole call whose
+    client left, once aborted and 200: in the SIGSTOP test, where it cannot finish first.)"""
+    before = settled_statuses(server)
+    url, auth = f"{server['url']}/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    bad_regex = {**body, "structured_outputs": {"regex": "("}}  # refused by the engine, not the parser
+    assert httpx.post(url, json=body, headers=auth, timeout=60).status_code == 200
+    streamed = httpx.post(url, json={**body, "stream": True}, headers=auth, timeout=60)
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    assert httpx.post(url, json=bad_regex, headers=auth, timeout=60).status_code == 400
+    refused = httpx.post(url, json={**bad_regex, "stream": True}, headers=auth, timeout=60)
+    assert '"code": 400' in refused.text
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
+    # Seven sequences fill the server (max_num_seqs 4 + max_queue 3): the next call gets 429. The worker
+    # rank is stopped meanwhile (for less than the stall timeout), so that they cannot finish first.
+    hold = {**body, "prompt": ["go"] * 7, "stream": True}
+    worker = worker_rank(server)
+    worker.suspend()
+    try:
+        with httpx.stream("POST", url, json=hold, headers=auth, timeout=60) as response:
+            assert response.status_code == 200  # the stream has started; its client leaves below
+            assert httpx.post(url, json=body, headers=auth, timeout=60).status_code == 429
+    finally:
+        worker.resume()
+    until_healthy(server)
+    assert counted_since(server, before) == {"200": 2, "400": 2, "401": 1, "429": 1, "aborted": 1}
+
+
 def test_metrics_move_as_requests_are_served(server, client):
     names = ("moelaunch_generation_tokens_total", "moelaunch_e2e_request_latency_seconds_count")
     before = settled_metrics(server, names)
@@ -327,13 +382,81 @@ def test_an_empty_api_key_is_refused_before_the_model_loads(args, env, says):
     assert "Traceback" not in done.stderr and "serve: http" not in done.stderr
 
 
-def test_a_dead_rank_turns_the_server_unavailable(server, client):
-    """Last: it breaks the server. The rank-1 worker is killed; rank 0's next collective fails."""
+def until_healthy(server, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{server['url']}/health").status_code != 200:  # a stalled step completes
+        assert time.monotonic() < deadline, "the server did not come back after SIGCONT"
+        time.sleep(0.2)
+
+
+def worker_rank(server):
     workers = [p for p in server["workers"] if "moelaunch.engine.worker" in " ".join(p.cmdline())]
     assert workers, "no worker rank found"
-    workers[0].kill()
+    return workers[0]
+
+
+def first_event(response: httpx.Response) -> dict:
+    return json.loads(next(line for line in response.iter_lines() if line.startswith("data:"))[5:])
+
+
+def test_a_stopped_rank_fails_requests_on_the_servers_clock_and_serving_resumes(server, client):
+    """SIGSTOP on the rank-1 worker once hung every request for the collective timeout (600 s by
+    default). A step stalled for server.stall_timeout_s fails what waits on it (503, or an error event
+    in a stream) and refuses new calls at once; after SIGCONT the server serves again. A whole call
+    whose client gives up meanwhile is counted as aborted, once."""
+    before = settled_statuses(server)
+    url, auth = f"{server['url']}/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+    worker = worker_rank(server)
+    worker.suspend()
+    try:
+        started = time.monotonic()  # the next step stalls from here
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url, json=body, headers=auth, timeout=1)
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=auth, timeout=60) as response:
+            error = first_event(response)["error"]
+        took = time.monotonic() - started
+        assert error["code"] == 503 and "stall_timeout_s" in error["message"], error
+        assert "a rank is stopped or too slow" in error["message"]
+        assert STALL_S <= took < STALL_S + 4, f"the stall was reported after {took:.1f} s"
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(**body)
+        assert refused.value.status_code == 503 and time.monotonic() - started < 2  # at once
+    finally:
+        worker.resume()
+    until_healthy(server)
+    assert client.completions.create(**body).usage.completion_tokens >= 1
+    assert counted_since(server, before) == {"503": 2, "200": 1, "aborted": 1}
+
+
+def test_a_dead_rank_turns_the_server_unavailable(server, client):
+    """Last: it breaks the server. The rank-1 worker is killed while the engine is busy; rank 0's next
+    collective fails: the call in flight and new calls get 503, /health turns 503, and the gauges of
+    what runs drop to 0 (they kept their last values)."""
+    before = settled_statuses(server)
+    url, auth = f"{server['url']}/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    load = {"model": MODEL, "prompt": ["go"] * 4, "max_tokens": 240, "ignore_eos": True}
+
+    def keep_busy() -> int:  # back-to-back calls, until one fails
+        while (status := httpx.post(url, json=load, headers=auth, timeout=60).status_code) == 200:
+            pass
+        return status
+
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(keep_busy)
+        deadline = time.monotonic() + 20
+        while not metric(server, "moelaunch_num_requests_running"):
+            assert time.monotonic() < deadline and not busy.done(), "the running gauge never moved"
+            time.sleep(0.05)
+        worker_rank(server).kill()
+        assert busy.result(timeout=60) == 503
     with pytest.raises(openai.APIStatusError) as failed:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
     assert failed.value.status_code == 503
     health = httpx.get(f"{server['url']}/health")
     assert health.status_code == 503 and json.loads(health.text)["status"] == "unavailable"
+    assert metric(server, "moelaunch_num_requests_running") == 0
+    assert metric(server, "moelaunch_kv_cache_usage_ratio") == 0
+    counted = counted_since(server, before)
+    assert counted["503"] == 2 and set(counted) <= {"200", "503"}, counted

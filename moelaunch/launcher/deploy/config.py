@@ -184,7 +184,15 @@ class ServerConfig(_Strict):
     served_model_name: str | None = Field(
         None, min_length=1, description="the model id; default: the dir name"
     )
-    max_queue: int = Field(256, ge=0, description="requests waiting beyond the running batches; more get 429")
+    max_queue: int = Field(
+        256, ge=0, description="sequences (prompts x n) waiting beyond the running batches; more get 429"
+    )
+    stall_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="an engine step longer than this (a rank stopped or too slow) fails the requests "
+        "waiting on it and refuses new ones with 503 until the step completes",
+    )
     max_body_bytes: int = Field(1_000_000, ge=1, description="largest request body accepted (413 beyond)")
     log_interval_s: float = Field(10.0, gt=0, description="seconds between throughput / cache-use log lines")
     strict: bool = Field(

@@ -3,6 +3,8 @@
 Besides the OpenAI routes, /tokenize and /detokenize answer as vLLM's do. Every route but /health
 needs `Authorization: Bearer KEY` when a key is set. /health answers 200 only
 while the engine thread answers (every rank up, no failure); /metrics is Prometheus' text format.
+`moelaunch_requests{status}` counts every call to a completion route once, by how it ended: the errors
+here, the rest in handlers.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from moelaunch.launcher.serve import handlers, responses
 from moelaunch.launcher.serve import tokenize as tokenizing
@@ -20,25 +23,55 @@ from moelaunch.launcher.serve.handlers import APIError, ServerState
 from moelaunch.launcher.serve.tokenize import DetokenizeRequest, TokenizeRequest
 
 HEALTH_TIMEOUT_S = 5.0
+COMPLETION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+def count(state: ServerState, path: str, status: int) -> None:
+    if path in COMPLETION_ROUTES:
+        state.metrics.requests.labels(str(status)).inc()
+
+
+class RequireKey:
+    """The API key check, as plain ASGI middleware: Starlette's @app.middleware("http") wraps `receive`
+    so that a handler never sees its client go away (a whole call then ran to its end)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = self.state.api_key
+        if scope["type"] == "http" and key is not None and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                count(self.state, scope["path"], 401)
+                refusal = APIError(401, "missing or wrong API key: send Authorization: Bearer KEY")
+                await refusal.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="moelaunch", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequireKey, state=state)
     created = int(time.time())
-
-    @app.middleware("http")
-    async def require_key(request: Request, call_next):
-        if state.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                state.metrics.requests.labels("401").inc()
-                return APIError(401, "missing or wrong API key: send Authorization: Bearer KEY").response()
-        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        state.metrics.requests.labels(str(error.status)).inc()
+        count(state, request.url.path, error.status)
         return error.response()
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, error: Exception) -> JSONResponse:
+        # Starlette still logs the traceback (and re-raises after this answer).
+        count(state, request.url.path, 500)
+        body = responses.error_body(
+            f"internal server error ({type(error).__name__}); the server's log has the traceback",
+            "server_error",
+            None,
+            500,
+        )
+        return JSONResponse(body, 500)
 
     @app.exception_handler(404)
     async def not_found(request: Request, error: Exception) -> JSONResponse:
@@ -49,6 +82,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(405)
     async def wrong_method(request: Request, error: Exception) -> JSONResponse:
+        count(state, request.url.path, 405)
         body = responses.error_body(
             f"{request.method} is not allowed on {request.url.path}", "invalid_request_error", None, 405
         )

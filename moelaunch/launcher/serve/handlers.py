@@ -2,8 +2,14 @@
 
 Both endpoints share the flow: read and validate the body (400 naming the field), check the model
 (404) and the context length (400 naming both lengths), submit every prompt's request at once (429
-when the queue is full, 503 when the engine failed), then answer whole or as server-sent events. A
-client that goes away aborts its requests, which frees their KV blocks.
+when the queue is full, 503 when the engine failed or is stalled), then answer whole or as server-sent
+events. A client that goes away aborts its requests, which frees their KV blocks. The requests of one
+client (the body's `user`, else the HTTP call) queue behind each other, not behind other clients'
+(engine_loop.py).
+
+Every call ends in exactly one `moelaunch_requests{status}` count: an error raised as APIError is
+counted by the app's handler (app.py), a whole answer here as 200 or, when the client left, aborted; a
+stream by how it ended (200, the status of its error event, or aborted).
 """
 
 from __future__ import annotations
@@ -18,14 +24,21 @@ from typing import Any
 
 import jinja2
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from moelaunch.engine.drive import Request
 from moelaunch.engine.outputs import ERROR, non_finite_logits_error
 from moelaunch.launcher.deploy.config import show_value
 from moelaunch.launcher.serve import responses
-from moelaunch.launcher.serve.engine_loop import EngineFailed, EngineLoop, OutputStream, Progress, QueueFull
+from moelaunch.launcher.serve.engine_loop import (
+    EngineFailed,
+    EngineLoop,
+    OutputStream,
+    Progress,
+    QueueFull,
+    Stalled,
+)
 from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.launcher.serve.protocol import ChatCompletionRequest, CompletionRequest, StreamOptions
 from moelaunch.launcher.serve.text import chat_message
@@ -56,6 +69,10 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(responses.error_body(str(self), self.kind, self.param, self.status), self.status)
+
+
+class _ClientLeft(Exception):
+    """Ends a whole call's wait once its client went away: nobody reads the answer."""
 
 
 @dataclass
@@ -235,12 +252,14 @@ def _check_call(state: ServerState, call: _Call) -> None:
                 400, f"prompt: token id {outside[0]} is not in the vocabulary (ids 0..{vocab - 1})", "prompt"
             )
     capacity = state.engine_loop.capacity
-    if len(call.requests) > capacity:
+    sequences = len(call.requests) * call.n
+    if sequences > capacity:
         raise APIError(
             400,
-            f"{len(call.requests)} prompts in one request, more than the server ever holds at once "
-            f"({capacity}: engine.max_num_seqs x parallel.dp + server.max_queue): send smaller requests",
-            "prompt",
+            f"{sequences} sequences in one request ({len(call.requests)} prompts x n {call.n}), more than "
+            f"the server ever holds at once ({capacity} sequences: engine.max_num_seqs x parallel.dp + "
+            "server.max_queue): send fewer prompts or a lower n",
+            "prompt" if len(call.requests) > 1 else "n",
         )
 
 
@@ -259,69 +278,78 @@ def _max_tokens(state: ServerState, prompt_len: int, requested: int | None) -> i
 
 async def _respond(state: ServerState, http: HTTPRequest, call: _Call, req: Any) -> Any:
     _check_call(state, call)
-    outputs = OutputStream(asyncio.get_running_loop())
+    outputs = OutputStream(asyncio.get_running_loop(), state.engine_loop.check_alive)
     ids = [r.request_id for r in call.requests]
     # Timed from here, before the engine thread can see them.
     state.metrics.accepted(ids)
+    client = f"user:{req.user}" if req.user else call.response_id
     try:
-        state.engine_loop.submit(call.requests, outputs)
+        state.engine_loop.submit(call.requests, outputs, client)
     except QueueFull as e:
         state.metrics.forget(ids)
         raise APIError(429, f"the server is busy ({e}); retry later") from None
-    except EngineFailed as e:
+    except (EngineFailed, Stalled) as e:
         state.metrics.forget(ids)
         raise APIError(503, str(e)) from None
     state.metrics.prompt_tokens.inc(sum(len(r.prompt_ids) for r in call.requests))
     if req.stream:
         events = _events(state, http, call, outputs, req.stream_options or StreamOptions(), req.stop)
         return StreamingResponse(events, media_type="text/event-stream")
-    finished = await _until_finished(state, http, call, outputs)
-    state.metrics.requests.labels("200").inc()
-    return _whole(state, call, finished)
+    finished, client_left = await _until_finished(state, http, call, outputs)
+    if client_left:
+        state.metrics.requests.labels("aborted").inc()
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    body = _whole(state, call, finished)
+    state.metrics.requests.labels("200").inc()  # after _whole: a bug there is a 500, counted once
+    return body
 
 
 async def _until_finished(
     state: ServerState, http: HTTPRequest, call: _Call, outputs: OutputStream
-) -> dict[str, Progress]:
+) -> tuple[dict[str, Progress], bool]:
+    """Every request's last progress, and whether the client went away (its requests were aborted)."""
     done: dict[str, Progress] = {}
-    watcher = asyncio.create_task(_abort_on_disconnect(state, http, call, done))
+    watcher = asyncio.create_task(_abort_on_disconnect(state, http, call, done, outputs))
     try:
         while len(done) < len(call.requests):
-            progress = await _next(state, outputs)
+            progress = await _next(outputs)
             if progress.finished:
                 done[progress.request_id] = progress
+    except _ClientLeft:
+        return done, True
+    except BaseException:  # a stall, a bug, the server stopping: the requests may still be in the engine
+        _abort_unfinished(state, call, done)
+        raise
     finally:
         watcher.cancel()
-    return done
+    return done, False
 
 
-async def _abort_on_disconnect(state: ServerState, http: HTTPRequest, call: _Call, done: dict) -> None:
+async def _abort_on_disconnect(
+    state: ServerState, http: HTTPRequest, call: _Call, done: dict, outputs: OutputStream
+) -> None:
     while True:
         await asyncio.sleep(DISCONNECT_POLL_S)
         if await http.is_disconnected():
             _abort_unfinished(state, call, done)
+            outputs.put(_ClientLeft())
             return
 
 
 def _abort_unfinished(state: ServerState, call: _Call, done: dict) -> None:
-    unfinished = [r.request_id for r in call.requests if r.request_id not in done]
-    for request_id in unfinished:
-        state.engine_loop.abort(request_id)
-    if unfinished:
-        state.metrics.requests.labels("aborted").inc()
+    for r in call.requests:
+        if r.request_id not in done:
+            state.engine_loop.abort(r.request_id)
 
 
-async def _next(state: ServerState, outputs: OutputStream) -> Progress:
+async def _next(outputs: OutputStream) -> Progress:
     try:
         progress = await outputs.get()
-    except EngineFailed as e:
-        state.metrics.requests.labels("503").inc()
+    except (EngineFailed, Stalled) as e:
         raise APIError(503, str(e)) from None
     except ValueError as e:  # the engine refused the request (e.g. a token id outside the vocabulary)
-        state.metrics.requests.labels("400").inc()
         raise APIError(400, str(e)) from None
     if any(c.finish_reason == ERROR for c in progress.choices):  # the only cause: non-finite logits
-        state.metrics.requests.labels("500").inc()
         raise APIError(500, non_finite_logits_error([]))
     return progress
 
@@ -388,6 +416,7 @@ async def _events(
     tool_calls: dict[int, ChoiceCalls] = {}
     tokens_sent: dict[int, int] = {}
     done: dict[str, Progress] = {}
+    outcome: str | None = "aborted"  # unless the stream gets further: the client went away
     try:
         if call.kind == responses.CHAT:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -395,8 +424,9 @@ async def _events(
             yield _sse({**head, "choices": first})
         while len(done) < len(call.requests):
             try:
-                progress = await _next(state, outputs)
+                progress = await _next(outputs)
             except APIError as e:
+                outcome = str(e.status)
                 yield _sse(responses.error_body(str(e), e.kind, e.param, e.status))
                 return
             if progress.finished:
@@ -428,10 +458,15 @@ async def _events(
         if options.include_usage:
             completion_tokens = sum(len(c.token_ids) for p in done.values() for c in p.choices)
             yield _sse({**head, "choices": [], "usage": responses.usage(prompt_tokens, completion_tokens)})
+        outcome = "200"
         yield "data: [DONE]\n\n"
-        state.metrics.requests.labels("200").inc()
-    finally:  # the client went away (the response was cancelled) or the engine failed
+    except Exception:
+        outcome = None  # counted as a 500 by the app's handler, which sees it next
+        raise
+    finally:  # done, an error event, the client went away (the response was cancelled), or a bug
         _abort_unfinished(state, call, done)
+        if outcome is not None:
+            state.metrics.requests.labels(outcome).inc()
 
 
 def _sse(payload: dict[str, Any]) -> str:

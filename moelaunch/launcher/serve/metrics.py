@@ -35,7 +35,10 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         counter, gauge, histogram = self._counter, self._gauge, self._histogram
         self.requests = Counter(
-            "moelaunch_requests", "HTTP requests by outcome", ["status"], registry=self.registry
+            "moelaunch_requests",
+            "calls to the completion routes, each counted once by how it ended",
+            ["status"],
+            registry=self.registry,
         )
         self.ttft = histogram("time_to_first_token_seconds", "acceptance to first token")
         self.tpot = histogram("time_per_output_token_seconds", "(last token - first token) / (tokens - 1)")

@@ -55,6 +55,7 @@ class _Request(BaseModel):
     guided_grammar: str | None = None
     best_of: int | None = Field(None, ge=1)
     modalities: list[str] | None = None
+    user: str | None = None  # the client: its requests queue behind each other, not behind others'
 
     @model_validator(mode="before")
     @classmethod

@@ -36,9 +36,10 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         log.maybe_write(lambda: stats)
 
     engine = client.engine
-    capacity = engine.config.max_num_seqs * cfg.parallel.dp + s.max_queue
+    room = engine.config.max_num_seqs * cfg.parallel.dp
     # A third of the collective timeout: the other ranks wait for rank 0's next command that long.
-    loop = EngineLoop(engine, capacity, cfg.cluster.timeouts.collective_s / 3, on_progress, on_stats)
+    keepalive_s = cfg.cluster.timeouts.collective_s / 3
+    loop = EngineLoop(engine, room, s.max_queue, keepalive_s, s.stall_timeout_s, on_progress, on_stats)
     state = ServerState(
         engine_loop=loop,
         tokenizer=client.tokenizer,

@@ -1,7 +1,7 @@
 """OpenAI and vLLM request fields this server accepts without acting on, and those it refuses when
 their value asks for something it cannot do (400 naming the field and why).
 
-Accepted as no-ops: fields that only label or route a request elsewhere (store, metadata, user,
+Accepted as no-ops: fields that only label or route a request elsewhere (store, metadata,
 service_tier, ...) or hint at a cost trade-off (reasoning_effort, verbosity, prediction). Anything not
 declared anywhere is an unknown field: logged and ignored, or refused with `server.strict: true`.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 # Given any value, these change nothing in the answer.
 NO_OPS = (
-    "store", "metadata", "user", "service_tier", "reasoning_effort", "verbosity", "prediction",
+    "store", "metadata", "service_tier", "reasoning_effort", "verbosity", "prediction",
     "prompt_cache_key", "safety_identifier", "guided_decoding_backend", "guided_whitespace_pattern",
     "spaces_between_special_tokens", "request_id", "cache_salt", "vllm_xargs", "prompt_cache_options",
     "prompt_cache_retention",
@@ -34,7 +34,7 @@ REFUSED_UNLESS = {
     "mm_processor_kwargs": (None, "the model reads text only"),
     "kv_transfer_params": (None, "this server does not transfer KV caches"),
     "return_tokens_as_token_ids": (False, "tokens are returned as text"),
-    "priority": (0, "requests run in arrival order; leave priority out"),
+    "priority": (0, "requests run in arrival order, in turn across clients; leave priority out"),
     "continue_final_message": (False, "a reply always starts a new assistant message"),
     "add_special_tokens": (False, "the chat template places the special tokens"),
     "include_stop_str_in_output": (False, "stop strings are cut from the output"),
