@@ -50,7 +50,9 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         max_body_bytes=s.max_body_bytes,
         vocab_size=load_args(cfg.model).vocab_size,
         strict=s.strict,
-        special_tokens_in_content=s.allow_special_tokens_in_content,
+        # Either section's switch: the engine's is what batch jobs and LLM.chat read in the same file.
+        special_tokens_in_content=s.allow_special_tokens_in_content
+        or cfg.engine.allow_special_tokens_in_content,
     )
     host, port = sock.getsockname()[:2]
     loop.start()
