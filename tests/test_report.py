@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from moelaunch.launcher.cli import main
+from moelaunch.measure.report.measure import Entry
 from moelaunch.measure.report.methods import METHODS
+from moelaunch.measure.report.render import SLOWER, chart, markdown, text_table
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +43,10 @@ def test_report_measures_every_method_and_the_baseline_matches_eval(tmp_path, ca
         assert (
             e["latency_s"] > 0 and e["throughput_tok_s"] > 0 and e["peak_memory_bytes"] > e["weights_bytes"]
         )
+        # Medians of 3 runs, with the fastest and slowest beside them.
+        assert e["latency_range_s"][0] <= e["latency_s"] <= e["latency_range_s"][1]
+        assert e["throughput_range_tok_s"][0] <= e["throughput_tok_s"] <= e["throughput_range_tok_s"][1]
+    assert "load average" in table and "median (min-max) of 3 runs" in table
     assert "| int8 |" in (out / "report.md").read_text()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -63,3 +69,19 @@ def test_bad_report_arguments_fail_before_any_method_runs(tmp_path, capsys, args
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
     assert not (tmp_path / "r" / "report.json").exists()
+
+
+def entry(method: str, latency: float, rate: float) -> Entry:
+    return Entry(method, method, latency, (latency * 0.9, latency * 1.2), rate, (rate * 0.8, rate * 1.1),
+                 2**20, 2**19, 100.0, None, 0.0, 1.0, False)  # fmt: skip
+
+
+def test_a_method_slower_than_the_baseline_is_marked_and_the_chart_draws_the_ranges(tmp_path):
+    entries = [entry("baseline", 1.0, 100.0), entry("fast", 0.5, 150.0), entry("slow", 2.0, 50.0)]
+    table = text_table(entries).splitlines()
+    marked = {line.split()[0]: line.count(SLOWER) for line in table[2:5]}
+    assert marked == {"baseline": 0, "fast": 0, "slow": 2}  # latency and throughput both
+    assert "0.500 (0.450-0.600)" in table[3] and "150.0 (120.0-165.0)" in table[3]
+    assert "| slow | 2.000 (1.800-2.400) slower |" in markdown(entries, {}, "launch report", "setup")
+    chart(entries, tmp_path / "r.png", "t")
+    assert (tmp_path / "r.png").stat().st_size > 0
