@@ -205,8 +205,10 @@ def test_vllm_structured_output_forms_are_kept(client, server):
         {"model": MODEL, "messages": USER, "guided_regex": "a", "response_format": {"type": "json_object"}},
     )
     assert both.status_code == 400 and "one output constraint" in both.json()["error"]["message"]
-    bad = post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "(unclosed"})
-    assert bad.status_code == 400 and "regex cannot be compiled" in bad.json()["error"]["message"]
+    for stream in (False, True):  # streamed too: refused before the stream starts, not in an error event
+        body = {"model": MODEL, "prompt": "x", "guided_regex": "(unclosed", "stream": stream}
+        bad = post(server, "/v1/completions", body)
+        assert bad.status_code == 400 and "regex cannot be compiled" in bad.json()["error"]["message"]
 
 
 def test_required_and_named_tool_calls_whole_and_streamed(client):

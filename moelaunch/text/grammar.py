@@ -37,7 +37,8 @@ class Grammars:
             if kind == "json_schema":
                 return self._compiler.compile_json_schema(spec, any_whitespace=False)
             if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+                # An object, as OpenAI's JSON mode gives (xgrammar's builtin JSON grammar allows any value).
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             if kind == "choice":

@@ -15,11 +15,11 @@ stream by how it ended (200, the status of its error event, or aborted).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -27,6 +27,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from moelaunch.engine.constraints import Constraints
 from moelaunch.engine.drive import Request
 from moelaunch.engine.outputs import ERROR, non_finite_logits_error
 from moelaunch.launcher.deploy.config import show_value
@@ -75,7 +76,7 @@ class _ClientLeft(Exception):
     """Ends a whole call's wait once its client went away: nobody reads the answer."""
 
 
-@dataclass
+@dataclasses.dataclass
 class ServerState:
     engine_loop: EngineLoop
     tokenizer: Tokenizer
@@ -87,9 +88,15 @@ class ServerState:
     vocab_size: int  # the model's: token ids in a request must be below it
     strict: bool = False  # server.strict: an unknown request field is a 400, not a log line
     special_tokens_in_content: bool = False  # server.allow_special_tokens_in_content
+    # Grammars compiled here too (once per spec), so a schema or regex that does not compile is a 400
+    # before a stream starts, not an error event after its 200.
+    constraints: Constraints = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.constraints = Constraints(self.tokenizer, self.vocab_size)
 
 
-@dataclass
+@dataclasses.dataclass
 class _Call:
     """One HTTP call's engine requests: prompt i's request id, and its choices' first index."""
 
@@ -251,6 +258,11 @@ def _check_call(state: ServerState, call: _Call) -> None:
             raise APIError(
                 400, f"prompt: token id {outside[0]} is not in the vocabulary (ids 0..{vocab - 1})", "prompt"
             )
+    for r in call.requests:
+        try:
+            state.constraints.check(r.params)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
     capacity = state.engine_loop.capacity
     sequences = len(call.requests) * call.n
     if sequences > capacity:
