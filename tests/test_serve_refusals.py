@@ -18,7 +18,8 @@ TEXT = {"model": "small", "prompt": "hi", "max_tokens": 2}
 
 NUL_CHAT = {**CHAT, "messages": [{"role": "user", "content": "a\x00b"}]}
 CASES = [
-    ("completions", {**TEXT, "prompt": ["hi"] * 300}, "prompt", "300 sequences in one request"),
+    # max_num_seqs 256 + max_queue 256 by default: 600 prompts can never all be held.
+    ("completions", {**TEXT, "prompt": ["hi"] * 600}, "prompt", "600 sequences in one request"),
     # 40 prompts were queued when the limit counted requests; 640 sequences are past any default limit.
     ("completions", {**TEXT, "prompt": ["hi"] * 40, "n": 16}, "prompt", "640 sequences in one request (40"),
     ("chat/completions", {**CHAT, "top_logprobs": 3}, "top_logprobs", "needs logprobs: true"),
