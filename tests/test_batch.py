@@ -272,3 +272,13 @@ def test_the_drive_loop_refuses_a_limit_below_one():
 
     with pytest.raises(ValueError, match="max_in_flight=0: give 1 or more"):
         next(drive(engine=None, max_in_flight=0))
+
+
+def test_a_file_of_which_no_line_can_run_exits_1(checkpoint, tmp_path, capsys):
+    """Random bytes as the input: every line skipped, named, and the run is a failure, not exit 0."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_bytes(b"\x80\x81 not text\n\xff\xfe{\n")
+    argv = ["batch", "--model", checkpoint, "--input", str(inp), "--output", str(tmp_path / "out.jsonl")]
+    assert main([*argv, "--kv-cache-memory", KV, "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    assert "0 done" in captured.out and "2 line(s) skipped: 1, 2" in captured.out

@@ -15,6 +15,7 @@ from moelaunch.launcher.cli import main
 from moelaunch.model.config import ConfigError, load_args
 
 BUNDLED = Path(__file__).resolve().parents[1] / "checkpoints/small"
+REPO = BUNDLED.parents[1]
 
 
 def broken_checkpoint(tmp_path: Path, file: str, change) -> Path:
@@ -118,3 +119,18 @@ def test_any_bytes_as_a_prompt_file_are_prompts_or_an_error_naming_it(tmp_path, 
         assert str(path) in str(e)
     else:
         assert sequences and all(isinstance(t, int) for s in sequences for t in s)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["convert", "quantize-int8", str(BUNDLED), "/proc/none/x"], "/proc/none: No such file"),
+        (["slurm", str(REPO / "configs/local.yaml"), "--script", "/proc/cpuinfo"], "/proc/cpuinfo: cannot"),
+    ],
+)
+def test_a_path_the_system_refuses_is_one_line_naming_it(capsys, argv, says):
+    """Paths no check foresees (a directory that cannot be made, a file a write fails on) still give one
+    line naming the path, not an errno or a traceback."""
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err and "[Errno" not in err

@@ -68,20 +68,27 @@ def main(argv: list[str] | None = None) -> int:
             return run_deployment_command(argv)
         args = build_parser(command).parse_args(argv)
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, ClusterError) as e:
+    except (ValueError, ClusterError) as e:
         # User-caused errors (bad paths, configs, checkpoints, dead nodes) carry a message naming the fix.
         print(f"launch{' ' + command if command else ''}: error: {e}", file=sys.stderr)
         return 1
-    except PermissionError as e:  # a file no check foresaw: still one line naming it, no traceback
-        print(
-            f"launch{' ' + command if command else ''}: error: {e.filename}: permission denied for this "
-            "user; fix its permissions (or those of a directory above it) or choose another path",
-            file=sys.stderr,
-        )
+    except OSError as e:  # a path no check foresaw (missing, unreadable, a device): one line naming it
+        print(f"launch{' ' + command if command else ''}: error: {os_error_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a job may say how to resume), no traceback
         print(f"launch{' ' + command if command else ''}: {str(e) or 'interrupted'}", file=sys.stderr)
         return 130
+
+
+def os_error_line(e: OSError) -> str:
+    if e.filename is None:  # raised by our own checks with a full message
+        return str(e)
+    if isinstance(e, PermissionError):
+        return (
+            f"{e.filename}: permission denied for this user; fix its permissions (or those of a directory "
+            "above it) or choose another path"
+        )
+    return f"{e.filename}: {e.strerror or e}; check the path, or choose another"
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ that a run is writing fails at once (the output's lock, OUTPUT.lock). Bad input 
 reported on stderr with their line numbers and skipped. The last stdout line is a summary; the exit
 code is 0 once every runnable line is in the output, even when some lines were skipped (the summary
 lists them), so a rerun after fixing those lines runs only them; it is 1 when a line failed as it ran
-(non-finite logits from broken weights), which is reported on stderr and not written.
+(non-finite logits from broken weights), which is reported on stderr and not written, and when every
+line was skipped (nothing could run: the wrong file, or one mistake on every line).
 """
 
 from __future__ import annotations

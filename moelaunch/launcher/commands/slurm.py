@@ -44,7 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(script, end="")
         return 0
-    path.write_text(script)
+    try:
+        path.write_text(script)
+    except OSError as e:  # a device or full disk the writability check cannot foresee
+        raise ValueError(f"--script {path}: cannot write it ({e.strerror or e}); choose another") from None
     job_id = submit(path)
     print(f"submitted Slurm job {job_id} ({path}); output: {job.workdir}/{job.name}-{job_id}.out")
     return 0

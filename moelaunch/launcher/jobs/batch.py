@@ -251,8 +251,10 @@ class BatchSummary:
 
     @property
     def exit_code(self) -> int:
-        """0 once every runnable line is in the output; 1 when a line failed as it ran."""
-        return 1 if self.failed else 0
+        """0 once every runnable line is in the output; 1 when a line failed as it ran, or when no line
+        could run at all (every one skipped: the wrong file, or every line wrong the same way)."""
+        nothing_ran = self.skipped and not (self.done or self.resumed)
+        return 1 if self.failed or nothing_ran else 0
 
     def line(self, output: Path) -> str:
         text = f"batch: {self.done} done, {self.resumed} already in {output}"
