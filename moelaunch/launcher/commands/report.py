@@ -24,6 +24,7 @@ from moelaunch.measure.scoring import DEFAULT_CHECKPOINT
 from moelaunch.model.checkpoint import CheckpointReader, check_writable_dir
 from moelaunch.model.config import load_args
 from moelaunch.model.loading import has_mtp_weights
+from moelaunch.tasks.capabilities import is_task_family
 from moelaunch.tasks.problem_sets import HELD_OUT_SIZE
 
 METHOD_TIMEOUT_S = 1800.0
@@ -134,10 +135,15 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
     command = shlex.join(["launch", *sys.argv[1:]]) if sys.argv[1:2] == ["report"] else "launch report"
+    scored = (
+        f"{workload.n_problems} held-out problems"
+        if is_task_family(args.model)
+        else "n/a (not the bundled task family: quality is the drift from the baseline)"
+    )
     setup = (
         f"Model {args.model} on {device} ({machine}); latency: batch 1, {workload.input_len} tokens in, "
-        f"{workload.output_len} out; throughput: batch {workload.batch}; accuracy: {workload.n_problems} "
-        f"held-out problems; KV cache budget {workload.kv_cache_memory / 2**20:.0f} MiB for every method."
+        f"{workload.output_len} out; throughput: batch {workload.batch}; accuracy: {scored}; KV cache "
+        f"budget {workload.kv_cache_memory / 2**20:.0f} MiB for every method."
     )
     print(setup)
     print(text_table(entries))
