@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher.cli import main
 from moelaunch.measure.report.measure import Entry
@@ -85,3 +86,17 @@ def test_a_method_slower_than_the_baseline_is_marked_and_the_chart_draws_the_ran
     assert "| slow | 2.000 (1.800-2.400) slower |" in markdown(entries, {}, "launch report", "setup")
     chart(entries, tmp_path / "r.png", "t")
     assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_report_runs_on_a_model_outside_the_task_family(tmp_path, capsys):
+    """`--model DIR` on another checkpoint (a random tiny DeepSeek-V3): no accuracy, the drift columns
+    measure quality, and a method that derives a checkpoint (expert pruning) runs on its shapes too."""
+    model = add_byte_tokenizer(make_hf_model(tmp_path / "tiny", "v3", num_hidden_layers=2))
+    out = tmp_path / "report"
+    argv = ["report", "--model", str(model), "--out", str(out), "--methods", "int8", "prune-experts"]
+    assert main([*argv, *SMALL]) == 0
+    assert "accuracy: n/a (not the bundled task family" in capsys.readouterr().out
+    entries = {e["method"]: e for e in json.loads((out / "report.json").read_text())}
+    assert list(entries) == ["baseline", "int8", "prune-experts"]
+    assert all(e["accuracy"] is None for e in entries.values())
+    assert entries["int8"]["mean_abs_logit_diff"] > 0 and entries["baseline"]["greedy_agreement"] == 1.0
