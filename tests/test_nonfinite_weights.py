@@ -122,8 +122,8 @@ def test_launch_eval_fails_instead_of_reporting_a_score(healthy, tmp_path, capsy
 
 
 def test_the_server_answers_500_naming_the_cause_and_serves_on(healthy, tmp_path):
-    """A whole request is a 500 in OpenAI's shape; a stream ends with an error event; the next
-    request is served the same way (the engine did not stop)."""
+    """A whole request is a 500 in OpenAI's shape naming the tensor; a stream ends with an error event;
+    the next request is served the same way (the engine did not stop)."""
     bad = broken(healthy, tmp_path / "bad", HEAD)
     port = free_port()
     config = tmp_path / "serve.yaml"
@@ -135,7 +135,8 @@ def test_the_server_answers_500_naming_the_cause_and_serves_on(healthy, tmp_path
         for _ in range(2):
             answer = httpx.post(f"{server['url']}/v1/chat/completions", json=body, timeout=60)
             assert answer.status_code == 500, answer.text
-            assert "non-finite logits" in answer.json()["error"]["message"]
+            message = answer.json()["error"]["message"]
+            assert "non-finite logits" in message and HEAD in message  # the tensor the load warned of
         events = httpx.post(
             f"{server['url']}/v1/chat/completions", json={**body, "stream": True}, timeout=60
         ).text

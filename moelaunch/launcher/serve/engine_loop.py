@@ -58,6 +58,7 @@ class ChoiceProgress:
     text: str  # the final text (stop strings cut), once finished
     top_logprobs: tuple[dict[int, float], ...]
     token_logprobs: tuple[float, ...]
+    error: str | None = None  # finish_reason "error": what went wrong, as the engine said it
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ def snapshot(out: RequestOutput) -> Progress:
             c.text if out.finished else "",
             tuple(c.logprobs or ()),
             tuple(c.token_logprobs or ()),
+            c.error,
         )
         for c in out.outputs
     )

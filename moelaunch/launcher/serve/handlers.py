@@ -361,8 +361,9 @@ async def _next(outputs: OutputStream) -> Progress:
         raise APIError(503, str(e)) from None
     except ValueError as e:  # the engine refused the request (e.g. a token id outside the vocabulary)
         raise APIError(400, str(e)) from None
-    if any(c.finish_reason == ERROR for c in progress.choices):  # the only cause: non-finite logits
-        raise APIError(500, non_finite_logits_error([]))
+    failed = [c.error for c in progress.choices if c.finish_reason == ERROR]
+    if failed:  # the engine's words (today the only cause: non-finite logits, naming the tensors)
+        raise APIError(500, failed[0] or non_finite_logits_error([]))
     return progress
 
 
