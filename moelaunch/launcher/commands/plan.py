@@ -8,7 +8,6 @@ import json
 import math
 from typing import Any
 
-from moelaunch.engine.config import default_kv_cache_fraction
 from moelaunch.launcher.commands import add_deployment_arguments
 from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import (
@@ -20,6 +19,7 @@ from moelaunch.launcher.deploy.plan import (
     RankPlan,
     blocks_per_sequence,
     build_plan,
+    kv_share_of_left,
     latent_segment,
     size_text,
 )
@@ -201,15 +201,14 @@ def _kv_reason(plan: LaunchPlan, r: RankPlan) -> str:
     per_sequence = blocks_per_sequence(plan.max_model_len, e.block_size)
     if r.kv_blocks == e.max_num_seqs * per_sequence:
         return f"the most it can use, max_num_seqs {e.max_num_seqs} x {per_sequence} blocks of max_model_len"
-    if r.kv_blocks == per_sequence and not plan.fits:
+    if r.kv_blocks == per_sequence:
         return "one sequence of max_model_len, the least that runs"
+    share = kv_share_of_left(plan.config, plan.device)
     left = "what the weights and activations leave"
-    if e.kv_cache_memory is not None:
+    if share is None:
         source = "engine.kv_cache_memory"
-    elif e.kv_cache_fraction is None and plan.device == "cuda":
-        source = left
     else:
-        source = f"{e.kv_cache_fraction or default_kv_cache_fraction(plan.device):g} of {left}"
+        source = left if share == 1 else f"{share:g} of {left}"
     return f"{source}: {r.kv_blocks / per_sequence:.1f} sequences of max_model_len"
 
 

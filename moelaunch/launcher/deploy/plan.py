@@ -400,15 +400,22 @@ def _rank_plan(
     )
 
 
-def _kv_budget(cfg: DeployConfig, device: str, left: int) -> int:
-    """Bytes for a rank's KV cache, given what its weights and activations leave of the usable memory."""
+def kv_share_of_left(cfg: DeployConfig, device: str) -> float | None:
+    """The share of what a rank's weights and activations leave that its KV cache takes; None when
+    engine.kv_cache_memory gives the bytes."""
     e = cfg.engine
     if e.kv_cache_memory is not None:
-        return e.kv_cache_memory
+        return None
     if e.kv_cache_fraction is not None:
-        return int(left * e.kv_cache_fraction)
+        return e.kv_cache_fraction
     # On a GPU cluster.memory_fraction already keeps the headroom; a host's RAM is shared (the engine's rule).
-    return left if device == "cuda" else int(left * default_kv_cache_fraction(device))
+    return 1.0 if device == "cuda" else default_kv_cache_fraction(device)
+
+
+def _kv_budget(cfg: DeployConfig, device: str, left: int) -> int:
+    """Bytes for a rank's KV cache, given what its weights and activations leave of the usable memory."""
+    share = kv_share_of_left(cfg, device)
+    return cfg.engine.kv_cache_memory if share is None else int(left * share)
 
 
 def _check_fp8_blocks(
