@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -30,6 +31,7 @@ class EngineSpec:
     parallel: MeshShape = field(default_factory=MeshShape)
     engine: EngineConfig = field(default_factory=EngineConfig)
     timeout_s: float = 300.0  # longest wait on a peer: rendezvous and every collective
+    kv_role: Literal["prefill", "decode"] | None = None  # a part of a disaggregated deployment
 
     def __post_init__(self) -> None:
         if type(self.timeout_s) not in (int, float) or not 0 < self.timeout_s < math.inf:
@@ -81,7 +83,7 @@ def build_engine(spec: EngineSpec, rank_env: RankEnv | None = None) -> LLMEngine
         mesh = ParallelMesh.build(spec.parallel, spec.timeout_s)
     else:
         mesh = ParallelMesh.single("cuda" if backend == "nccl" else "cpu")
-    return LLMEngine(spec.weights, mesh, spec.engine)
+    return LLMEngine(spec.weights, mesh, spec.engine, spec.kv_role, spec.timeout_s)
 
 
 def build_engine_from_json(spec_json: str) -> LLMEngine:

@@ -15,9 +15,13 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
+from moelaunch.engine.kv_handoff import CacheEndpoint, KVHandoff
+from moelaunch.engine.kv_peer import KVPeer
+from moelaunch.engine.kv_transport import KVTransferError
 from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import (
+    ABORT,
     ERROR,
     NON_FINITE_TOKEN,
     CompletionOutput,
@@ -46,19 +50,21 @@ class NewSequence:
     prompt: list[int]
     params: SamplingParams
     replica: int
+    handoff: dict | None = None  # KVHandoff: a prompt the prefill engine computed (decode role)
 
 
 @dataclass
 class StepCommand:
     new: list[NewSequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    kv_releases: list[str] = field(default_factory=list)  # handed-off prompts the decode side has read
     stop: bool = False
     keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCommand:
         new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
-        return cls(new, d["aborts"], d["stop"], d["keepalive"])
+        return cls(new, d["aborts"], d["kv_releases"], d["stop"], d["keepalive"])
 
     def to_dict(self) -> dict:
         return {**vars(self), "new": [{**vars(n), "params": n.params.model_dump()} for n in self.new]}
@@ -71,6 +77,8 @@ class SeqUpdate:
     logprob: float | None
     top_logprobs: dict[int, float] | None
     finish_reason: str | None
+    error: str | None = None  # finish_reason "error": why, when not the sampler's non-finite logits
+    kv_blocks: list[int] | None = None  # prefill role: the finished prompt's blocks, held for the decode side
 
     @classmethod
     def from_dict(cls, d: dict) -> SeqUpdate:
@@ -88,6 +96,7 @@ class _RequestState:
     metrics: RequestMetrics
     replica: int
     unfinished: int
+    kv_blocks: list[int] | None = None
 
 
 class LLMEngine:
@@ -96,7 +105,11 @@ class LLMEngine:
         weights: WeightSpec,
         mesh: ParallelMesh,
         config: EngineConfig | None = None,
+        kv_role: str | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
+        """kv_role: "prefill" (finished prompts keep their cache blocks for a decode engine to read) or
+        "decode" (takes prompts with their KV from a prefill engine), for disaggregated serving."""
         self.config = config or EngineConfig()
         self.mesh = mesh
         self.tokenizer = None if self.config.skip_tokenizer_init else Tokenizer.from_dir(weights.model)
@@ -115,6 +128,11 @@ class LLMEngine:
         self.max_model_len = self.config.max_model_len or min(args.max_position_embeddings, 8192)
         self.cache = self._allocate_cache()
         self.blocks = BlockManager(self.cache.num_blocks, self.config.block_size)
+        self.kv_role = kv_role
+        self.kv = KVPeer(self.cache, mesh, timeout_s) if kv_role else None
+        self.kv_hold_s = timeout_s  # a handoff nobody read by then is released (its decode side died)
+        self.held: dict[str, list[int]] = {}  # prefill role: blocks of handed-off prompts, by request
+        self.kv_bytes_received = 0
         self.scheduler = Scheduler(self.config, self.blocks)
         # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
@@ -135,6 +153,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._pending = StepCommand()
         self._replica_load = [0] * mesh.shape.dp
+        self._handed_off: dict[str, float] = {}  # rank 0, prefill role: request -> when handed off
 
     # ---- cache sizing: every rank must end up with the same number of blocks ----
     def _allocate_cache(self) -> PagedLatentCache:
@@ -164,12 +183,20 @@ class LLMEngine:
 
     # ---- front end (rank 0) ----
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        handoff: KVHandoff | None = None,
     ) -> None:
-        """Queue a request for the next step; one that cannot run raises ValueError, leaving nothing."""
-        self.check_request(request_id, prompt_ids, params)
+        """Queue a request for the next step; one that cannot run raises ValueError, leaving nothing.
+        handoff (decode role): the prompt was computed by a prefill engine; its first token is the
+        output's first, and its latents are read from there when the request is admitted."""
+        self.check_request(request_id, prompt_ids, params, handoff)
         replica = min(range(len(self._replica_load)), key=self._replica_load.__getitem__)
-        outputs = [CompletionOutput(i, "", []) for i in range(params.n)]
+        first = [handoff.first_token] if handoff else []
+        outputs = [CompletionOutput(i, "", list(first)) for i in range(params.n)]
         self.requests[request_id] = _RequestState(
             request_id,
             prompt,
@@ -184,11 +211,26 @@ class LLMEngine:
             seq_id = self._next_seq_id
             self._next_seq_id += 1
             self._seq_owner[seq_id] = (request_id, i)
-            self._pending.new.append(NewSequence(seq_id, request_id, i, list(prompt_ids), params, replica))
+            sent = handoff.to_dict() if handoff else None
+            self._pending.new.append(
+                NewSequence(seq_id, request_id, i, list(prompt_ids), params, replica, sent)
+            )
         self._replica_load[replica] += params.n
 
-    def check_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        handoff: KVHandoff | None = None,
+    ) -> None:
         """add_request's checks alone: a caller queuing several requests checks them all first."""
+        misplaced = self.kv_role != "decode" or handoff is not None and handoff.prompt != prompt_ids
+        if handoff is not None and (misplaced or params.n != 1):
+            raise ValueError(
+                f"request {request_id!r}: a prefilled prompt goes to a decode-role engine, with its own "
+                "prompt and n=1"
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: sampling params must be SamplingParams: {params!r}")
         if request_id in self.requests:
@@ -223,11 +265,25 @@ class LLMEngine:
         if request_id in self.requests:
             self._pending.aborts.append(request_id)
 
+    @property
+    def kv_endpoints(self) -> list[CacheEndpoint] | None:
+        """Rank 0 of a disaggregated deployment's engine: every rank's cache, as peers read it."""
+        return self.kv.endpoints if self.kv else None
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: the decode side has read (or given up on) this request's blocks."""
+        if self._handed_off.pop(request_id, None) is not None:
+            self._pending.kv_releases.append(request_id)
+
     def has_unfinished(self) -> bool:
-        return any(r.unfinished for r in self.requests.values())
+        """Whether a step has work: unfinished requests, or handed-off blocks to release."""
+        return bool(self._pending.kv_releases) or any(r.unfinished for r in self.requests.values())
 
     def step(self) -> list[RequestOutput]:
         """One engine step on every rank; returns the requests that progressed (rank 0)."""
+        now = time.perf_counter()
+        for request_id in [r for r, t in self._handed_off.items() if now - t > self.kv_hold_s]:
+            self.release_kv(request_id)
         command, self._pending = self._pending, StepCommand()
         self._broadcast(command)
         updates = self._execute(command)
@@ -271,6 +327,7 @@ class LLMEngine:
                     if new.params.seed is not None
                     else self.config.seed + new.seq_id
                 )
+                handoff = KVHandoff.from_dict(new.handoff) if new.handoff else None
                 seq = Sequence(
                     new.seq_id,
                     new.request_id,
@@ -278,14 +335,23 @@ class LLMEngine:
                     new.prompt,
                     new.params,
                     torch.Generator().manual_seed(seed),
+                    output=[handoff.first_token] if handoff else [],
+                    handoff=handoff,
                 )
                 self.seqs[new.seq_id] = seq
                 self.scheduler.add(seq)
         for request_id in command.aborts:
             for seq in [s for s in self.seqs.values() if s.request_id == request_id]:
-                self._finish(seq, "abort")
-                updates.append(SeqUpdate(seq.seq_id, None, None, None, "abort"))
+                self._finish(seq, ABORT)
+                updates.append(SeqUpdate(seq.seq_id, None, None, None, ABORT))
+        for request_id in command.kv_releases:
+            self.blocks.release(self.held.pop(request_id, []))
         plan = self.scheduler.schedule()
+        failed = self._read_prefilled()
+        for chunk in [c for c in plan if c.seq.seq_id in failed]:
+            plan.remove(chunk)
+            self._finish(chunk.seq, ERROR)
+            updates.append(SeqUpdate(chunk.seq.seq_id, None, None, None, ERROR, failed[chunk.seq.seq_id]))
         results = self.runner.step(plan)
         for chunk in plan:
             if not chunk.samples:
@@ -294,8 +360,30 @@ class LLMEngine:
             seq_updates = self._accept(chunk, results[chunk.seq.seq_id])
             updates.extend(seq_updates)
             if seq_updates[-1].finish_reason:
-                self._finish(chunk.seq, seq_updates[-1].finish_reason)
+                seq_updates[-1].kv_blocks = self._finish(chunk.seq, seq_updates[-1].finish_reason)
         return self._gather(updates)
+
+    def _read_prefilled(self) -> dict[int, str]:
+        """Decode role: read the latents of the prefilled prompts just admitted. The ranks of a replica
+        agree on the outcome (a read may fail on one rank only); returns the failed sequences' errors."""
+        if self.kv_role != "decode":
+            return {}
+        errors: dict[int, str] = {}
+        for seq, have_blocks in self.scheduler.imports:
+            try:
+                self.kv_bytes_received += self.kv.pull(seq.handoff, seq.block_ids, have_blocks)
+            except KVTransferError as e:
+                errors[seq.seq_id] = str(e)
+        mesh = self.mesh
+        if mesh.world.size > 1:  # every rank joins, whether or not its replica admitted a prefilled prompt
+            ok = torch.ones(mesh.shape.dp, dtype=torch.long)
+            ok[mesh.dp_index] = int(not errors)
+            if not mesh.world.all_reduce_min(ok)[mesh.dp_index]:
+                reason = next(iter(errors.values()), "another rank of this replica could not read its part")
+                errors = {seq.seq_id: errors.get(seq.seq_id, reason) for seq, _ in self.scheduler.imports}
+        for seq, _ in self.scheduler.imports:
+            seq.handoff = None  # read, or failing: a preempted sequence is recomputed from its tokens
+        return errors
 
     def _accept(self, chunk: ScheduledChunk, result: StepResult) -> list[SeqUpdate]:
         """Append the step's tokens (kept draft tokens, then the sampled one) up to any finish."""
@@ -330,10 +418,17 @@ class LLMEngine:
             return "length"
         return None
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> list[int] | None:
+        """End a sequence; in the prefill role a completed prompt's blocks stay held for the decode
+        side (returned) until release_kv."""
         seq.finish_reason = reason
+        held = None
+        if self.kv_role == "prefill" and reason not in (ABORT, ERROR):
+            held = self.held[seq.request_id] = seq.block_ids
+            seq.block_ids = []
         self.scheduler.finish(seq)
         del self.seqs[seq.seq_id]
+        return held
 
     def _gather(self, updates: list[SeqUpdate]) -> list[SeqUpdate]:
         """Rank 0 collects every replica's updates and stats, as its reporter rank saw them."""
@@ -362,6 +457,7 @@ class LLMEngine:
             preemptions=s.preemptions,
             spec_drafted=self.drafted,
             spec_accepted=self.accepted,
+            kv_bytes_received=self.kv_bytes_received,
         )
 
     # ---- rank 0: turn updates into outputs ----
@@ -381,7 +477,8 @@ class LLMEngine:
             if u.finish_reason:
                 out.finish_reason = u.finish_reason
                 if u.finish_reason == ERROR:
-                    out.error = non_finite_logits_error(self.model.nonfinite_tensors)
+                    out.error = u.error or non_finite_logits_error(self.model.nonfinite_tensors)
+                state.kv_blocks = u.kv_blocks
                 state.unfinished -= 1
                 self._replica_load[state.replica] -= 1
                 if state.unfinished == 0:
@@ -400,7 +497,17 @@ class LLMEngine:
             state.outputs,
             finished=state.unfinished == 0,
             metrics=state.metrics,
+            kv_handoff=self._handoff(state),
         )
+
+    def _handoff(self, state: _RequestState) -> KVHandoff | None:
+        """Prefill role: a finished prompt's blocks, for the decode side to read."""
+        if state.kv_blocks is None or state.unfinished:
+            return None
+        self._handed_off[state.request_id] = time.perf_counter()
+        endpoints = self.kv.replica_endpoints(state.replica)
+        first = state.outputs[0].token_ids[0]
+        return KVHandoff(state.request_id, state.prompt_ids, first, state.replica, state.kv_blocks, endpoints)
 
     def _text(self, out: CompletionOutput, params: SamplingParams) -> str:
         if self.tokenizer is None:  # skip_tokenizer_init: token ids only

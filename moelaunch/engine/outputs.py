@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moelaunch.engine.kv_handoff import KVHandoff
 
 
 @dataclass
@@ -37,8 +41,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    kv_handoff: KVHandoff | None = None  # prefill-role engine: where the finished prompt's KV waits
 
 
+ABORT = "abort"
 ERROR = "error"  # the finish_reason of a sequence the engine could not continue
 NON_FINITE_TOKEN = -2  # the sampler's token for a row whose logits are not all finite (-1 pads tables)
 

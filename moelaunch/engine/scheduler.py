@@ -41,6 +41,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.admitted_tokens = 0  # prompt tokens of admitted sequences (the prefix cache's queries)
+        # Prefilled sequences admitted by the last schedule(), with the blocks of their prompt already
+        # here (a prefix hit): the engine reads the rest from the prefill engine before the step runs.
+        self.imports: list[tuple[Sequence, int]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,6 +51,7 @@ class Scheduler:
 
     def schedule(self) -> list[ScheduledChunk]:
         budget = self.config.max_num_batched_tokens
+        self.imports = []
         plan: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=lambda s: s.seq_id):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
@@ -69,10 +73,12 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         cached: list[int] = []
+        # A prefilled prompt arrives computed (its latents are read from the prefill engine); otherwise
+        # leave at least one token to compute: its logits give the next token.
+        known = len(seq.prompt) if seq.handoff else seq.num_tokens - 1
         if self.config.enable_prefix_caching:
-            # Leave at least one token to compute: its logits give the next token.
-            cached = self.blocks.match_prefix(seq.tokens[: seq.num_tokens - 1])
-        n_cached = len(cached) * self.blocks.block_size
+            cached = self.blocks.match_prefix(seq.tokens[:known])
+        n_cached = len(seq.prompt) if seq.handoff else len(cached) * self.blocks.block_size
         n, draft = self._size(seq, seq.num_tokens - n_cached, budget)
         fresh = self.blocks.blocks_needed(n_cached + n) - len(cached)
         if fresh > self.blocks.num_free - sum(self.blocks.blocks[b].ref_count == 0 for b in cached):
@@ -83,6 +89,8 @@ class Scheduler:
         seq.num_computed = n_cached
         seq.status = SeqStatus.RUNNING
         self.admitted_tokens += seq.num_tokens
+        if seq.handoff:
+            self.imports.append((seq, len(cached)))
         return ScheduledChunk(seq, n_cached, n, draft)
 
     @staticmethod

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moelaunch.engine.constraints import SequenceConstraints
+from moelaunch.engine.kv_handoff import KVHandoff
 from moelaunch.engine.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Sequence:
     finish_reason: str | None = None
     draft: list[int] = field(default_factory=list)  # MTP's guess of the tokens after the last one
     constraints: SequenceConstraints | None = None  # bad words and grammar, made by the sampler
+    handoff: KVHandoff | None = None  # a prompt another engine prefilled: its latents are read, not computed
 
     @property
     def tokens(self) -> list[int]:

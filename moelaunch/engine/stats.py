@@ -18,6 +18,7 @@ class EngineStats:
     preemptions: int = 0
     spec_drafted: int = 0
     spec_accepted: int = 0
+    kv_bytes_received: int = 0  # prefilled prompts' latents read by the reporting rank (disaggregation)
 
     def __add__(self, other: EngineStats) -> EngineStats:
         return EngineStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

@@ -123,6 +123,14 @@ class PagedLatentCache:
             filled = slots[slots % self.block_size == self.block_size - 1] // self.block_size
             self.block_means[i, filled] = self._read(i, filled, torch.float32).mean(dim=1)
 
+    def refresh_block_means(self, blocks: list[int]) -> None:
+        """Recompute top-k's block summaries of full blocks written by a copy rather than store()."""
+        if self.block_means is None or not blocks:
+            return
+        ids = torch.tensor(blocks, device=self.pool.device)
+        for i in range(self.pool.shape[0]):
+            self.block_means[i, ids] = self._read(i, ids, torch.float32).mean(dim=1)
+
     def _read(
         self, i: int, blocks: torch.Tensor, dtype: torch.dtype, rows: slice = slice(None)
     ) -> torch.Tensor:
