@@ -28,6 +28,7 @@ class DisaggregatedEngine:
         self.config = decode[0].config
         self.max_model_len = min(e.max_model_len for e in prefill + decode)
         _check_caches(prefill[0].kv_endpoints, decode[0].kv_endpoints)
+        self.transport = prefill[0].kv_endpoints[0].transport
         self._params: dict[str, SamplingParams] = {}
         self._metrics: dict[str, RequestMetrics] = {}
         self._where: dict[str, Any] = {}  # request -> the engine holding it now

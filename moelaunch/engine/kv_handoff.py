@@ -16,6 +16,7 @@ from moelaunch.model.kv_cache import PagedLatentCache
 
 @dataclass(frozen=True)
 class CacheEndpoint:
+    transport: str  # which library moves the bytes, e.g. mooncake-tcp
     session: str  # the rank's transfer engine, host:port
     replica: int
     tp_index: int
@@ -28,9 +29,12 @@ class CacheEndpoint:
     scale_row_bytes: int  # one token's scales (0 without fp8)
 
     @classmethod
-    def of(cls, cache: PagedLatentCache, session: str, replica: int, tp_index: int) -> CacheEndpoint:
+    def of(
+        cls, cache: PagedLatentCache, transport: str, session: str, replica: int, tp_index: int
+    ) -> CacheEndpoint:
         scales = cache.scales
         return cls(
+            transport,
             session,
             replica,
             tp_index,

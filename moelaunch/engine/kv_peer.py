@@ -19,7 +19,8 @@ class KVPeer:
         self.transport.register(cache.pool)
         if cache.scales is not None:
             self.transport.register(cache.scales)
-        self.endpoint = CacheEndpoint.of(cache, self.transport.session, mesh.dp_index, mesh.tp_index)
+        t = self.transport
+        self.endpoint = CacheEndpoint.of(cache, t.name, t.session, mesh.dp_index, mesh.tp_index)
         mine = self.endpoint.to_dict()
         if mesh.world.size == 1:
             every = [mine]

@@ -17,6 +17,8 @@ INSTALL_HINT = (
     "install Mooncake's transfer engine: `pip install mooncake-transfer-engine-non-cuda` "
     "(or `pip install 'moelaunch[disagg]'`) and Debian's libibverbs1 (`apt-get install libibverbs1`)"
 )
+# A timeout the user set for Mooncake wins over the deployment's collective timeout.
+_USER_TIMEOUT = "MC_TRANSFER_TIMEOUT" in os.environ
 
 
 class KVTransferError(RuntimeError):
@@ -46,7 +48,8 @@ class MooncakeTransport:
 
     def __init__(self, host: str, timeout_s: float) -> None:
         # Read by the engine when it starts: a read from a hung peer fails after this many seconds.
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, int(timeout_s))))
+        if not _USER_TIMEOUT:
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, int(timeout_s)))
         # Its failures come back as return codes, reported here with their cause; its own log, errors
         # only (MC_LOG_LEVEL=INFO shows all; the one error at start, no local segment yet, is harmless).
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

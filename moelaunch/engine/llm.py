@@ -178,6 +178,11 @@ class LLM:
         raise_if_failed(outputs)
         return outputs
 
+    @property
+    def capacity(self) -> int:
+        """Sequences the deployment runs at once: max_num_seqs per DP replica."""
+        return self.spec.engine.max_num_seqs * self.spec.parallel.dp
+
     def shutdown(self, graceful: bool = True) -> None:
         """Release the worker ranks: told to stop (graceful), or terminated, as after Ctrl-C, when the
         ranks may be inside a collective that rank 0 left. Calling it again does nothing."""

@@ -27,6 +27,13 @@ class EngineProxy:
         # Fixed for the engine's life: read once.
         self.config = group.call("config")
         self.max_model_len = group.call("max_model_len")
+        self.kv_endpoints = group.call("kv_endpoints")  # disaggregated parts only; else None
+
+    def check_request(self, *args: Any) -> None:
+        self._group.call("check_request", *args)
+
+    def release_kv(self, request_id: str) -> None:
+        self._group.call("release_kv", request_id)
 
     def add_request(self, *args: Any) -> None:
         self._group.call("add_request", *args)
@@ -79,6 +86,11 @@ class RayLLM:
         except BaseException:
             self._session.close()
             raise
+
+    @property
+    def capacity(self) -> int:
+        """Sequences the deployment runs at once: max_num_seqs per DP replica."""
+        return self.spec.engine.max_num_seqs * self.spec.parallel.dp
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop rank 0's engine (which releases the other ranks; skipped when not graceful, as after

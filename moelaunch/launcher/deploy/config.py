@@ -58,6 +58,20 @@ class ParallelConfig(_Strict):
     )
 
 
+class DisaggregationPart(_Strict):
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    replicas: int = Field(1, ge=1, description="instances of this part, each with its own ranks")
+    nodes: int = Field(1, ge=1, description="nodes each instance spans (its ranks split evenly over them)")
+
+
+class DisaggregationConfig(_Strict):
+    """Prefill/decode disaggregation: prompts run on prefill instances, whose latent KV blocks then move
+    to decode instances (Mooncake's transfer engine) that generate the rest; `launch` routes."""
+
+    prefill: DisaggregationPart
+    decode: DisaggregationPart
+
+
 class Timeouts(_Strict):
     startup_s: float = Field(600, gt=0, description="wait for devices and workers to come up")
     collective_s: float = Field(600, gt=0, description="longest wait inside one collective")
@@ -236,6 +250,7 @@ class DeployConfig(_Strict):
     # Projections quantized at load (model/quantization.py); "none" runs the checkpoint as it is.
     quantization: Quantization = "none"
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    disaggregation: DisaggregationConfig | None = None  # instead of `parallel`: a layout per part
     engine: EngineConfig = Field(default_factory=EngineConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     job: JobConfig = Field(default_factory=ChatJob)
@@ -495,7 +510,48 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 # --- checks across keys ----------------------------------------------------------------------------
 
 
+def disaggregated_parts(cfg: DeployConfig) -> dict[str, DeployConfig]:
+    """One deployment per part of a disaggregated one ("prefill", "decode"): the part's layout, with
+    nodes and devices per node for one of its instances."""
+    parts = {}
+    for role, part in (("prefill", cfg.disaggregation.prefill), ("decode", cfg.disaggregation.decode)):
+        p = part.parallel
+        world = p.tp * p.dp * p.pp
+        devices = world // part.nodes if world % part.nodes == 0 else 1
+        cluster = cfg.cluster.model_copy(update={"nodes": part.nodes, "devices_per_node": devices})
+        update = {"parallel": p, "disaggregation": None, "cluster": cluster}
+        parts[role] = cfg.model_copy(update=update)
+        parts[role]._source, parts[role]._overrides = cfg._source, cfg._overrides
+    return parts
+
+
+def _check_disaggregation(cfg: DeployConfig) -> None:
+    c = cfg.cluster
+    if "parallel" in cfg.model_fields_set:
+        raise cfg.error(
+            "parallel",
+            "a layout beside disaggregation",
+            "no top-level parallel: each part names its own (disaggregation.prefill.parallel, "
+            "disaggregation.decode.parallel)",
+        )
+    if c.nodes != 1:
+        raise cfg.error("cluster.nodes", c.nodes, "1 with disaggregation: give each part's nodes instead")
+    for role, part in disaggregated_parts(cfg).items():
+        _check_consistency(part)
+        p = part.parallel
+        if c.backend == "local" and p.tp * p.dp * p.pp > 1:
+            raise cfg.error(
+                "cluster.backend",
+                "local",
+                f"ray: the {role} part has {p.tp * p.dp * p.pp} ranks, and the local backend runs only "
+                "one-rank parts (in this process)",
+            )
+
+
 def _check_consistency(cfg: DeployConfig) -> None:
+    if cfg.disaggregation is not None:
+        _check_disaggregation(cfg)
+        return
     p, c = cfg.parallel, cfg.cluster
     if p.ep is not None and p.ep != p.dp * p.tp:
         raise cfg.error(

@@ -298,7 +298,7 @@ def run_batch(
     if not input_path.exists():
         raise FileNotFoundError(f"input file {input_path} not found")
     engine: LLMEngine = llm.engine
-    limit = max_in_flight or 2 * engine.config.max_num_seqs * llm.spec.parallel.dp
+    limit = max_in_flight or 2 * llm.capacity
     bar = tqdm(total=_count_lines(input_path), unit="req", desc="batch", disable=not progress, mininterval=1)
 
     def report(error: LineError) -> None:

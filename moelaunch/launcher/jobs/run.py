@@ -7,6 +7,7 @@ only use that, so a new backend or a new mode is one entry in a table.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -18,10 +19,12 @@ from pathlib import Path
 import torch
 
 from moelaunch.engine.build import EngineSpec
+from moelaunch.engine.kv_transport import transport_available
 from moelaunch.engine.llm import LLM
 from moelaunch.engine.sampling_params import SamplingParams
-from moelaunch.launcher.deploy.config import DeployConfig
+from moelaunch.launcher.deploy.config import DeployConfig, disaggregated_parts
 from moelaunch.launcher.deploy.plan import LaunchPlan, build_plan
+from moelaunch.launcher.disaggregated_client import DisaggregatedClient, Part
 from moelaunch.launcher.jobs.chat import chat_loop, lenient_stdin, terminal_lines
 from moelaunch.launcher.jobs.output_lock import output_lock
 from moelaunch.launcher.jobs.output_path import check_writable
@@ -175,15 +178,11 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
     mode = MODES.get(cfg.job.mode)
     if mode is None:
         raise cfg.error("job.mode", cfg.job.mode, f"one of {', '.join(MODES)} in this version")
-    plan = build_plan(cfg)  # a layout that cannot work fails here, before any process starts
-    if cfg.cluster.backend == "local" and plan.device == "cuda" and not torch.cuda.is_available():
-        raise cfg.error(
-            "cluster.device", "cuda", "cpu or auto: the local backend runs here, and here is no CUDA GPU"
-        )
-    if not plan.fits:
-        raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
+    # A layout that cannot work fails here, before any process starts.
+    plans = {role: _checked_plan(part) for role, part in _parts(cfg).items()}
+    whole = plans.get("whole")
     check_job_files(cfg)
-    if cfg.job.mode == "chat" and plan.mesh.world == 1 and plan.device == "cpu":
+    if cfg.job.mode == "chat" and whole and whole.mesh.world == 1 and whole.device == "cpu":
         # A new user's first chat: the CPU kernels build in the background while it answers.
         os.environ.setdefault("MOELAUNCH_CPU_KERNELS", "background")
     with contextlib.ExitStack() as resources:
@@ -197,7 +196,7 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
             mode = functools.partial(
                 run_serve_job, sock=resources.enter_context(bind_server_socket(cfg.server))
             )
-        client = backend(cfg, engine_spec(cfg, plan))
+        client = _open(cfg, backend, plans)
         graceful = False  # after Ctrl-C or a failure mid-step the ranks may be inside a collective
         try:
             code = mode(client, cfg)
@@ -205,3 +204,38 @@ def run_deployment(cfg: DeployConfig, overrides: list[str] | None = None) -> int
             return code
         finally:
             client.shutdown(graceful)
+
+
+def _parts(cfg: DeployConfig) -> dict[str, DeployConfig]:
+    """The deployments to start: the whole one, or a disaggregated one's prefill and decode parts."""
+    if cfg.disaggregation is None:
+        return {"whole": cfg}
+    problem = transport_available()
+    if problem:
+        raise ValueError(problem)
+    return disaggregated_parts(cfg)
+
+
+def _checked_plan(cfg: DeployConfig) -> LaunchPlan:
+    plan = build_plan(cfg)
+    if cfg.cluster.backend == "local" and plan.device == "cuda" and not torch.cuda.is_available():
+        raise cfg.error(
+            "cluster.device", "cuda", "cpu or auto: the local backend runs here, and here is no CUDA GPU"
+        )
+    if not plan.fits:
+        raise ValueError(f"{plan.verdict()}; details: `launch plan {cfg.source}`")
+    return plan
+
+
+def _open(
+    cfg: DeployConfig,
+    backend: Callable[[DeployConfig, EngineSpec], LLM | RayLLM],
+    plans: dict[str, LaunchPlan],
+) -> LLM | RayLLM | DisaggregatedClient:
+    if cfg.disaggregation is None:
+        return backend(cfg, engine_spec(cfg, plans["whole"]))
+    parts = []
+    for role, part in disaggregated_parts(cfg).items():
+        spec = dataclasses.replace(engine_spec(part, plans[role]), kv_role=role)
+        parts.append(Part(role, part, spec, getattr(cfg.disaggregation, role).replicas))
+    return DisaggregatedClient(cfg, parts, backend)

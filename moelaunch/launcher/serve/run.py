@@ -36,7 +36,7 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         log.maybe_write(lambda: stats)
 
     engine = client.engine
-    room = engine.config.max_num_seqs * cfg.parallel.dp
+    room = client.capacity
     # A third of the collective timeout: the other ranks wait for rank 0's next command that long.
     keepalive_s = cfg.cluster.timeouts.collective_s / 3
     loop = EngineLoop(engine, room, s.max_queue, keepalive_s, s.stall_timeout_s, on_progress, on_stats)

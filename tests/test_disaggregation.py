@@ -1,0 +1,139 @@
+"""Prefill/decode disaggregation: greedy tokens equal one engine's, only the missing prompt rows move
+(by the formula), a prefix already on the decode side is not sent, and a prefill rank that dies or
+hangs before the read fails the request cleanly and frees what the decode side reserved.
+
+Engines here are one-rank parts in this process (the local backend's disaggregation); the Ray test
+(tests/test_ray_backend.py) covers prefill tp=2 -> decode dp=2 through `launch`. Mooncake's transfer
+engine moves the bytes over TCP on loopback in both."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+
+import pytest
+import torch
+from tiny_models import add_byte_tokenizer, make_hf_model
+
+from moelaunch.engine.build import EngineSpec, build_engine
+from moelaunch.engine.config import EngineConfig
+from moelaunch.engine.disaggregated import DisaggregatedEngine
+from moelaunch.engine.drive import Request, drive
+from moelaunch.engine.kv_handoff import KVHandoff
+from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.model.config import load_args
+from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.weight_spec import WeightSpec
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[0, 5, 6, 7, 8, 9], [0] + [3] * 11, [0, 9, 10], [0, 5, 6, 7, 8, 9, 11, 12], [0, 44] * 9]
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(add_byte_tokenizer(make_hf_model(tmp_path_factory.mktemp("tiny"), "v3", num_hidden_layers=4)))
+
+
+def engine_config(**options) -> EngineConfig:
+    return EngineConfig(kv_cache_memory=4_000_000, block_size=BLOCK, **options)
+
+
+def part(checkpoint: str, role: str, timeout_s: float = 60.0, **options):
+    spec = EngineSpec(WeightSpec(checkpoint), engine=engine_config(**options), timeout_s=timeout_s, kv_role=role)
+    return build_engine(spec)
+
+
+def run(engine, prompts, params=GREEDY) -> dict[str, list[int]]:
+    done = {}
+    for outputs in drive(engine, [Request(str(i), p, params) for i, p in enumerate(prompts)]):
+        done.update({o.request_id: o for o in outputs if o.finished})
+    return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def one_engine(checkpoint: str, prompts, **options) -> list[list[int]]:
+    with LLM(checkpoint, **engine_config(**options).model_dump(exclude_defaults=True)) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def row_bytes(checkpoint: str, fp8: bool) -> int:
+    """What one prompt token's latents cost over every layer, from the cache layout's own formula."""
+    args = load_args(checkpoint)
+    return PagedLatentCache.bytes_per_token(args, args.num_hidden_layers, torch.float32, fp8)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_disaggregated_tokens_equal_one_engine_and_only_prompt_rows_move(checkpoint, kv_cache_dtype):
+    prefill = part(checkpoint, "prefill", kv_cache_dtype=kv_cache_dtype)
+    decode = part(checkpoint, "decode", kv_cache_dtype=kv_cache_dtype)
+    router = DisaggregatedEngine([prefill], [decode])
+    assert router.transport == "mooncake-tcp"
+    assert run(router, PROMPTS) == one_engine(checkpoint, PROMPTS, kv_cache_dtype=kv_cache_dtype)
+    prompt_tokens = sum(len(p) for p in PROMPTS)
+    assert decode.stats.kv_bytes_received == prompt_tokens * row_bytes(checkpoint, kv_cache_dtype == "fp8")
+    # Everything handed off was released on the prefill side, and the decode side holds nothing live.
+    assert prefill.held == {} and prefill.blocks.num_free == prefill.blocks.num_blocks
+    assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_a_prefix_the_decode_side_holds_is_not_sent_again(checkpoint):
+    prefill, decode = part(checkpoint, "prefill"), part(checkpoint, "decode")
+    router = DisaggregatedEngine([prefill], [decode])
+    shared = [0] + list(range(20, 31))  # 12 tokens: 3 full blocks
+    first, second = shared + [40, 41], shared + [50]
+    assert run(router, [first]) == one_engine(checkpoint, [first])
+    sent = decode.stats.kv_bytes_received
+    assert sent == len(first) * row_bytes(checkpoint, False)
+    assert run(router, [second]) == one_engine(checkpoint, [second])
+    # Only the rows past the shared full blocks moved: the one token after them.
+    assert decode.stats.kv_bytes_received - sent == (len(second) - len(shared)) * row_bytes(checkpoint, False)
+    assert decode.stats.prefix_hit_tokens == len(shared)
+
+
+def test_a_request_ending_at_its_first_token_never_reaches_the_decode_side(checkpoint):
+    prefill, decode = part(checkpoint, "prefill"), part(checkpoint, "decode")
+    router = DisaggregatedEngine([prefill], [decode])
+    one = SamplingParams(temperature=0, max_tokens=1)
+    [tokens] = run(router, [PROMPTS[0]], one)
+    assert len(tokens) == 1 and decode.stats.prompt_tokens_admitted == 0
+    assert prefill.held == {}
+    with pytest.raises(ValueError, match="n=1"):
+        router.add_request("x", PROMPTS[0], SamplingParams(n=2))
+
+
+def _prefill_then_wait(checkpoint: str, prompt: list[int], conn) -> None:
+    """A prefill engine in its own process: hands off one prompt, then waits to be killed or stopped."""
+    engine = part(checkpoint, "prefill")
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=1))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                conn.send(out.kv_handoff.to_dict())
+    conn.recv()  # never answered: the parent ends this process
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_prefill_rank_lost_before_the_read_fails_the_request_and_frees_its_blocks(checkpoint, fault):
+    decode = part(checkpoint, "decode", timeout_s=2.0)  # a hung peer's read fails after ~2 s
+    prompt = PROMPTS[4]
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    prefill = context.Process(target=_prefill_then_wait, args=(checkpoint, prompt, child))
+    prefill.start()
+    try:
+        assert parent.poll(120), "the prefill process handed nothing off"
+        handoff = KVHandoff.from_dict(parent.recv())
+        os.kill(prefill.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        decode.add_request("r", prompt, GREEDY, None, handoff)
+        [out] = [o for step in drive(decode) for o in step]
+    finally:
+        prefill.kill()
+        prefill.join()
+    completion = out.outputs[0]
+    assert completion.finish_reason == "error"
+    assert "failed: the prefill rank there died, hung past" in completion.error
+    assert decode.blocks.num_free == decode.blocks.num_blocks  # what the read reserved is free again
+    # The engine goes on: the same prompt, prefilled by a live prefill engine, decodes as one engine does.
+    router = DisaggregatedEngine([part(checkpoint, "prefill")], [decode])
+    assert run(router, [prompt]) == one_engine(checkpoint, [prompt])
