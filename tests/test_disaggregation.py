@@ -41,7 +41,9 @@ def engine_config(**options) -> EngineConfig:
 
 
 def part(checkpoint: str, role: str, timeout_s: float = 60.0, **options):
-    spec = EngineSpec(WeightSpec(checkpoint), engine=engine_config(**options), timeout_s=timeout_s, kv_role=role)
+    spec = EngineSpec(
+        WeightSpec(checkpoint), engine=engine_config(**options), timeout_s=timeout_s, kv_role=role
+    )
     return build_engine(spec)
 
 

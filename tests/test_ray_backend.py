@@ -1,6 +1,7 @@
 """The ray backend on real raylets: a tp2 x dp2 deployment on two nodes (two raylets on distinct
 loopback IPs, then two network namespaces) gives the single process's greedy outputs; an embedded
-cluster runs with token auth; too few nodes, a shared IP and a killed rank each end with a clear
+cluster runs with token auth; a disaggregated deployment (prefill tp=2, decode dp=2) gives the same
+tokens; too few nodes, a shared IP and a killed rank each end with a clear
 error, and a rerun resumes the batch job."""
 
 from __future__ import annotations
@@ -209,6 +210,28 @@ def test_two_raylets_tp2_dp2_match_one_process(tmp_path, checkpoint, reference, 
     assert table[0][0] == table[1][0] != table[2][0] == table[3][0]
     assert {table[0][0], table[2][0]} == {"127.0.0.1", "127.0.0.2"}
     assert_gone([pid for _, pid in table.values()])
+
+
+@pytest.mark.slow
+def test_disaggregated_prefill_tp2_to_decode_dp2_matches_one_process(
+    tmp_path, checkpoint, reference, loopback_cluster
+):
+    """A batch job through `launch` with a prefill part (tp=2) and a decode part (dp=2), one per raylet:
+    the prompts' latent KV moves between them with Mooncake's transfer engine; the tokens are one
+    process's. The chat prompts share their template's prefix, so later ones hit the decode side's cache."""
+    address, _ = loopback_cluster
+    config = deployment(tmp_path, checkpoint, address)
+    cfg = yaml.safe_load(config.read_text())
+    del cfg["parallel"], cfg["cluster"]["nodes"], cfg["cluster"]["devices_per_node"]
+    cfg["disaggregation"] = {"prefill": {"parallel": {"tp": 2}}, "decode": {"parallel": {"dp": 2}}}
+    config.write_text(yaml.safe_dump(cfg))
+    done = launch(config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "disaggregation: KV moves over mooncake-tcp" in done.stderr
+    assert results(tmp_path / "results.jsonl") == reference
+    pids = [int(pid) for *_, pid in RANK_LINE.findall(done.stderr)]
+    assert len(pids) == 4  # two ranks per part
+    assert_gone(pids)
 
 
 @pytest.mark.slow
