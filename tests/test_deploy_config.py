@@ -112,6 +112,30 @@ BAD = [
     ),
     ("--set without =", BATCH, ["parallel.tp"], ["--set parallel.tp: expected KEY.PATH=VALUE"]),
     (
+        "parallel beside disaggregation",
+        "model: m\nparallel: {tp: 2}\ndisaggregation: {prefill: {}, decode: {}}\n",
+        [],
+        ["parallel: given 'a layout beside disaggregation'", "disaggregation.prefill.parallel"],
+    ),
+    (
+        "disaggregation part of 2 ranks on local",
+        "model: m\ndisaggregation: {prefill: {parallel: {tp: 2}}, decode: {}}\n",
+        [],
+        ["cluster.backend: given 'local'", "the prefill part has 2 ranks"],
+    ),
+    (
+        "disaggregation lacks decode",
+        "model: m\ndisaggregation: {prefill: {}}\n",
+        [],
+        ["disaggregation.decode: required key missing"],
+    ),
+    (
+        "disaggregation with cluster nodes",
+        "model: m\ndisaggregation: {prefill: {}, decode: {}}\ncluster: {backend: ray, nodes: 2}\n",
+        [],
+        ["cluster.nodes: given 2", "each part's nodes"],
+    ),
+    (
         "--set under a scalar",
         BATCH,
         ["cluster.nodes.x=1"],

@@ -11,6 +11,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,14 +24,22 @@ from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.disaggregated import DisaggregatedEngine
 from moelaunch.engine.drive import Request, drive
 from moelaunch.engine.kv_handoff import KVHandoff
+from moelaunch.engine.kv_transport import transport_available
 from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.launcher.deploy.config import load_deploy_config
+from moelaunch.launcher.jobs.run import run_deployment
 from moelaunch.model.config import load_args
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.weight_spec import WeightSpec
 
+pytestmark = pytest.mark.skipif(
+    transport_available() is not None,
+    reason=f"{transport_available()} (CI installs both: tests/mooncake_setup.sh)",
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPTS = [[0, 5, 6, 7, 8, 9], [0] + [3] * 11, [0, 9, 10], [0, 5, 6, 7, 8, 9, 11, 12], [0, 44] * 9]
 BLOCK = 4
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +150,25 @@ def test_a_prefill_rank_lost_before_the_read_fails_the_request_and_frees_its_blo
     # The engine goes on: the same prompt, prefilled by a live prefill engine, decodes as one engine does.
     router = DisaggregatedEngine([part(checkpoint, "prefill")], [decode])
     assert run(router, [prompt]) == one_engine(checkpoint, [prompt])
+
+
+def test_the_example_deployment_chats_through_a_prefill_and_a_decode_part(tmp_path):
+    """configs/examples/disaggregated-local.yaml as a user runs it (piped turns), on the bundled model."""
+    example = REPO / "configs" / "examples" / "disaggregated-local.yaml"
+    done = subprocess.run(
+        [sys.executable, "-m", "moelaunch.launcher.cli", str(example)],
+        input="What is 123+456?\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "disaggregation: KV moves over mooncake-tcp" in done.stderr
+    assert done.stdout.splitlines()[-1] == "579"
+
+
+def test_without_the_transfer_library_the_deployment_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)  # as if not installed: import fails
+    cfg = load_deploy_config(REPO / "configs" / "examples" / "disaggregated-local.yaml")
+    with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1"):
+        run_deployment(cfg)

@@ -30,6 +30,7 @@ from moelaunch.cluster.errors import ClusterError  # noqa: E402
 from moelaunch.cluster.ray.checks import NodeFacts, capacity_report, check_nodes  # noqa: E402
 from moelaunch.cluster.ray.session import RaySession  # noqa: E402
 from moelaunch.cluster.rendezvous import free_port  # noqa: E402
+from moelaunch.engine.kv_transport import transport_available  # noqa: E402
 from moelaunch.launcher import LLM, SamplingParams  # noqa: E402
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config  # noqa: E402
 from moelaunch.launcher.ray_llm import RayLLM  # noqa: E402
@@ -213,6 +214,7 @@ def test_two_raylets_tp2_dp2_match_one_process(tmp_path, checkpoint, reference, 
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(transport_available() is not None, reason=str(transport_available()))
 def test_disaggregated_prefill_tp2_to_decode_dp2_matches_one_process(
     tmp_path, checkpoint, reference, loopback_cluster
 ):

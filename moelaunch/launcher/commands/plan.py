@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from moelaunch.launcher.commands import add_deployment_arguments
-from moelaunch.launcher.deploy.config import load_deploy_config
+from moelaunch.launcher.deploy.config import disaggregated_parts, load_deploy_config
 from moelaunch.launcher.deploy.plan import (
     ACTIVATION_BUFFERS,
     GB,
@@ -40,10 +40,22 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = build_plan(load_deploy_config(args.config, args.overrides))
-    print(json.dumps(plan_json(plan)) if args.json else format_plan(plan))
-    if not plan.fits:
-        raise LayoutError(plan.verdict())
+    cfg = load_deploy_config(args.config, args.overrides)
+    if cfg.disaggregation is None:
+        plans = {"": build_plan(cfg)}
+    else:  # each part's instances run on their own ranks: one plan per part
+        plans = {role: build_plan(part) for role, part in disaggregated_parts(cfg).items()}
+    if args.json:
+        shown = {role: plan_json(plan) for role, plan in plans.items()}
+        print(json.dumps(shown.get("", shown)))
+    for role, plan in plans.items():
+        if not args.json:
+            if role:
+                replicas = getattr(cfg.disaggregation, role).replicas
+                print(f"== {role} part: {replicas} instance(s), each planned as follows")
+            print(format_plan(plan))
+        if not plan.fits:
+            raise LayoutError(f"{role} part: {plan.verdict()}" if role else plan.verdict())
     return 0
 
 
