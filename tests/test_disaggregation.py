@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,12 @@ def engine_config(**options) -> EngineConfig:
     return EngineConfig(kv_cache_memory=4_000_000, block_size=BLOCK, **options)
 
 
-def part(checkpoint: str, role: str, timeout_s: float = 60.0, **options):
+# Mooncake reads its transfer timeout once per process, from the first engine: a hung peer's read here
+# fails after about this long (plus its own slack of ~2 s).
+TIMEOUT_S = 3.0
+
+
+def part(checkpoint: str, role: str, timeout_s: float = TIMEOUT_S, **options):
     spec = EngineSpec(
         WeightSpec(checkpoint), engine=engine_config(**options), timeout_s=timeout_s, kv_role=role
     )
@@ -86,6 +92,7 @@ def test_disaggregated_tokens_equal_one_engine_and_only_prompt_rows_move(checkpo
     prompt_tokens = sum(len(p) for p in PROMPTS)
     assert decode.stats.kv_bytes_received == prompt_tokens * row_bytes(checkpoint, kv_cache_dtype == "fp8")
     # Everything handed off was released on the prefill side, and the decode side holds nothing live.
+    router.close()  # the prefill thread applies its last releases and stops: its engine can be read
     assert prefill.held == {} and prefill.blocks.num_free == prefill.blocks.num_blocks
     assert decode.blocks.num_free == decode.blocks.num_blocks
 
@@ -110,9 +117,10 @@ def test_a_request_ending_at_its_first_token_never_reaches_the_decode_side(check
     one = SamplingParams(temperature=0, max_tokens=1)
     [tokens] = run(router, [PROMPTS[0]], one)
     assert len(tokens) == 1 and decode.stats.prompt_tokens_admitted == 0
-    assert prefill.held == {}
     with pytest.raises(ValueError, match="n=1"):
         router.add_request("x", PROMPTS[0], SamplingParams(n=2))
+    router.close()
+    assert prefill.held == {}
 
 
 def _prefill_then_wait(checkpoint: str, prompt: list[int], conn) -> None:
@@ -128,7 +136,7 @@ def _prefill_then_wait(checkpoint: str, prompt: list[int], conn) -> None:
 
 @pytest.mark.parametrize("fault", ["killed", "stopped"])
 def test_a_prefill_rank_lost_before_the_read_fails_the_request_and_frees_its_blocks(checkpoint, fault):
-    decode = part(checkpoint, "decode", timeout_s=2.0)  # a hung peer's read fails after ~2 s
+    decode = part(checkpoint, "decode")
     prompt = PROMPTS[4]
     context = multiprocessing.get_context("spawn")
     parent, child = context.Pipe()
@@ -139,13 +147,16 @@ def test_a_prefill_rank_lost_before_the_read_fails_the_request_and_frees_its_blo
         handoff = KVHandoff.from_dict(parent.recv())
         os.kill(prefill.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         decode.add_request("r", prompt, GREEDY, None, handoff)
+        started = time.monotonic()
         [out] = [o for step in drive(decode) for o in step]
+        waited = time.monotonic() - started
     finally:
         prefill.kill()
         prefill.join()
     completion = out.outputs[0]
     assert completion.finish_reason == "error"
     assert "failed: the prefill rank there died, hung past" in completion.error
+    assert waited < TIMEOUT_S + 5, f"the failed read took {waited:.1f} s, the timeout is {TIMEOUT_S} s"
     assert decode.blocks.num_free == decode.blocks.num_blocks  # what the read reserved is free again
     # The engine goes on: the same prompt, prefilled by a live prefill engine, decodes as one engine does.
     router = DisaggregatedEngine([part(checkpoint, "prefill")], [decode])

@@ -17,8 +17,9 @@ INSTALL_HINT = (
     "install Mooncake's transfer engine: `pip install mooncake-transfer-engine-non-cuda` "
     "(or `pip install 'moelaunch[disagg]'`) and Debian's libibverbs1 (`apt-get install libibverbs1`)"
 )
+TIMEOUT_VARIABLES = ("MC_TRANSFER_TIMEOUT", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TCP_PROGRESS_TIMEOUT_SEC")
 # A timeout the user set for Mooncake wins over the deployment's collective timeout.
-_USER_TIMEOUT = "MC_TRANSFER_TIMEOUT" in os.environ
+_USER_TIMEOUTS = {name for name in TIMEOUT_VARIABLES if name in os.environ}
 
 
 class KVTransferError(RuntimeError):
@@ -47,9 +48,12 @@ class MooncakeTransport:
     name = "mooncake-tcp"
 
     def __init__(self, host: str, timeout_s: float) -> None:
-        # Read by the engine when it starts: a read from a hung peer fails after this many seconds.
-        if not _USER_TIMEOUT:
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(1, int(timeout_s)))
+        # A read from a hung peer fails after this many seconds. Mooncake reads it once per process, when
+        # its first engine starts (one rank per process: each rank's own timeout).
+        # (a first read also waits on the TCP transport's status and progress timeouts: all three).
+        for name in TIMEOUT_VARIABLES:
+            if name not in _USER_TIMEOUTS:
+                os.environ[name] = str(max(1, int(timeout_s)))
         # Its failures come back as return codes, reported here with their cause; its own log, errors
         # only (MC_LOG_LEVEL=INFO shows all; the one error at start, no local segment yet, is harmless).
         os.environ.setdefault("MC_LOG_LEVEL", "ERROR")

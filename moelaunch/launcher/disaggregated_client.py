@@ -59,6 +59,8 @@ class DisaggregatedClient:
         return sum(client.capacity for role, client in self._clients if role == "decode")
 
     def shutdown(self, graceful: bool = True) -> None:
+        if hasattr(self, "engine"):
+            self.engine.close()
         clients, self._clients = self._clients, []
         try:
             for _, client in reversed(clients):
