@@ -11,8 +11,13 @@ import re
 import pytest
 import torch
 
+from moelaunch.measure.random_checkpoint import SHAPES
+from moelaunch.model.config import args_from_hf_config
+from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.eplb import _pack, balanced_placements, max_over_mean, rank_loads, uses_hierarchy
 from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.parallel.parallelize import MeshShard
 
 
 def zipf_load(n_layers: int, n_experts: int, seed: int = 0) -> torch.Tensor:
@@ -160,3 +165,20 @@ def test_bad_load_is_refused():
         balanced_placements(torch.ones(8), 2, 0, 1, 1)
     with pytest.raises(ValueError, match="negative or non-finite"):
         balanced_placements(torch.tensor([[1.0, -1.0]]), 2, 0, 1, 1)
+
+
+def test_each_layer_holds_its_own_placement():
+    """MeshShard gives every MoE layer its own placement (the default where none is given): the experts
+    a rank builds are the ones its layer's placement gives it, copies included."""
+    args = args_from_hf_config({**SHAPES["tiny"], "num_hidden_layers": 4})  # MoE layers 1-3
+    shape = MeshShape(tp=1, dp=4)
+    load = zipf_load(2, args.n_routed_experts)
+    per_layer = dict(zip((1, 2), balanced_placements(load, 4, 4, args.n_group, 1), strict=True))
+    for rank in range(4):
+        shard = MeshShard(args, ParallelMesh.planned(shape, rank), layer_placements=per_layer)
+        with torch.device("meta"):
+            model = Transformer(args, with_mtp=False, shard=shard)
+        for layer in (1, 2):
+            assert model.model.layers[str(layer)].mlp.local_ids == per_layer[layer].experts_of(rank)
+        contiguous = ExpertPlacement.contiguous(args.n_routed_experts, 4)
+        assert model.model.layers["3"].mlp.local_ids == contiguous.experts_of(rank)
