@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from moelaunch.launcher.commands import add_deployment_arguments
+from moelaunch.launcher.commands import add_deployment_arguments, count_or_zero
 from moelaunch.launcher.deploy.balance import format_rebalance, rebalance
 from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import (
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--redundant-experts",
-        type=int,
+        type=count_or_zero,
         default=0,
         metavar="N",
         help="with --expert-load: extra copies of the busiest experts, N a multiple of ep (default 0)",
