@@ -13,9 +13,11 @@ import torch
 
 from moelaunch.measure.random_checkpoint import SHAPES
 from moelaunch.model.config import args_from_hf_config
+from moelaunch.model.moe import MoE
 from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.eplb import _pack, balanced_placements, max_over_mean, rank_loads, uses_hierarchy
-from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
+from moelaunch.parallel.group import Group
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import MeshShard
 
@@ -182,3 +184,33 @@ def test_each_layer_holds_its_own_placement():
             assert model.model.layers[str(layer)].mlp.local_ids == per_layer[layer].experts_of(rank)
         contiguous = ExpertPlacement.contiguous(args.n_routed_experts, 4)
         assert model.model.layers["3"].mlp.local_ids == contiguous.experts_of(rank)
+
+
+class SummedByCaller(Group):
+    """A group whose all-reduce leaves the sum to the test (ranks simulated one after another)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_copies_count_once_when_every_rank_routes_all_rows():
+    """ep = tp (dp=1): every rank runs all rows through the experts it holds and the group sums; an
+    expert held twice must still count once (the static decode step's path)."""
+    torch.manual_seed(0)
+    args = args_from_hf_config({**SHAPES["tiny"], "n_group": 1, "topk_group": 1})
+    whole = MoE(args)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.normal_(0, 0.2)
+    whole.eval().requires_grad_(False)
+    x = torch.randn(16, args.hidden_size)
+    expected = whole(x)
+    placement = ExpertPlacement.from_map([[0, 1], [0], [1], [0, 1], [0], [1], [0], [1]], 8, 2)
+    total = torch.zeros_like(expected)
+    for rank in (0, 1):
+        group = SummedByCaller([0, 1], rank, None)
+        part = MoE(args, AllToAllDispatch(placement, group, group))
+        part.load_state_dict(whole.state_dict(), strict=False)
+        part.eval().requires_grad_(False).stack_experts()
+        total += part(x, static=True)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
