@@ -13,6 +13,8 @@ import torch
 
 from moelaunch.measure.random_checkpoint import SHAPES
 from moelaunch.model.config import args_from_hf_config
+from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.model.expert_load_file import read_expert_load, write_expert_load
 from moelaunch.model.moe import MoE
 from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.eplb import _pack, balanced_placements, max_over_mean, rank_loads, uses_hierarchy
@@ -214,3 +216,21 @@ def test_copies_count_once_when_every_rank_routes_all_rows():
         part.eval().requires_grad_(False).stack_experts()
         total += part(x, static=True)
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_load_file_round_trip_with_layers_from_the_gates(tmp_path):
+    """ExpertLoad.by_layer keys the gates' counts by decoder layer index (MTP: num_hidden_layers + k),
+    as the expert-load file wants; what write_expert_load writes, read_expert_load reads back."""
+    args = args_from_hf_config({**SHAPES["tiny"], "num_hidden_layers": 4, "num_nextn_predict_layers": 1})
+    with torch.device("meta"):
+        model = Transformer(args, with_mtp=True)
+    load = ExpertLoad(model)
+    for i, counts in enumerate(load.counts.values()):
+        counts += torch.arange(8) * (i + 1)
+    by_layer = load.by_layer()
+    assert sorted(by_layer) == [1, 2, 3, 4]  # 0 is dense; 4 is the MTP layer
+    assert by_layer[4].tolist() == load.counts["mtp.0.mlp.gate"].tolist()
+    write_expert_load(tmp_path / "load.json", 123, by_layer)
+    read = read_expert_load(tmp_path / "load.json", args)
+    assert read.tokens == 123 and read.layers == (1, 2, 3, 4)
+    assert torch.equal(read.counts, torch.stack([by_layer[i] for i in (1, 2, 3, 4)]))

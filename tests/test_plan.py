@@ -4,15 +4,18 @@ hand from the published DeepSeek-V3 shapes (not from plan.py's code)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from moelaunch.engine.build import EngineSpec
 from moelaunch.launcher.cli import main
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.launcher.jobs.run import engine_spec
 from moelaunch.model.config import load_args
 from moelaunch.model.expert_load_file import write_expert_load
 from moelaunch.parallel.mesh import LayoutError
@@ -286,6 +289,15 @@ def test_plan_with_expert_load_writes_a_placement_the_deployment_uses(tmp_path, 
         assert rank.weight_bytes - plain.ranks[rank.rank].weight_bytes == 3 * one_expert
     assert main(["plan", str(config), "--set", f"parallel.expert_placement_file={out}"]) == 0
     assert "3/layer (file)" in capsys.readouterr().out
+    # What every rank gets: the placements in the engine spec, through the JSON it travels as.
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    shutil.copy(TINY, checkpoint / "config.json")
+    cfg = load_deploy_config(config, [f"model={checkpoint}", f"parallel.expert_placement_file={out}"])
+    spec = EngineSpec.from_json(engine_spec(cfg, build_plan(cfg)).to_json())
+    assert spec.weights.layer_expert_placement == {
+        str(i): [list(r) for r in p.owners] for i, p in written.items()
+    }
 
 
 @pytest.mark.parametrize(
