@@ -273,6 +273,9 @@ def test_plan_with_expert_load_writes_a_placement_the_deployment_uses(tmp_path, 
     rows = {line.split()[0]: line.split()[1:3] for line in printed.splitlines() if line[:9].strip().isdigit()}
     assert rows["2"] == ["3.88", "1.00"] and rows["3"] == ["1.00", "1.00"]
     assert float(rows["1"][1]) < float(rows["1"][0])
+    # The same 4 ranks on 2 nodes: the tiny model's 2 expert groups go one to a node first.
+    assert main([*argv, "--set", "cluster.nodes=2", "--set", "cluster.devices_per_node=2"]) == 0
+    assert "hierarchical: 2 expert groups over 2 nodes" in capsys.readouterr().out
 
     args = load_args(TINY)
     written = read_placement_file(out, args, 4)

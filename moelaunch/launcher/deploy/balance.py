@@ -47,11 +47,14 @@ def rebalance(plan: LaunchPlan, load_path: Path, redundant_experts: int) -> Reba
 
 def format_rebalance(plan: LaunchPlan, r: Rebalance, source: Path) -> str:
     args, ep = plan.args, plan.mesh.ep
-    policy = (
-        f"hierarchical: {args.n_group} expert groups over {r.n_nodes} nodes"
-        if uses_hierarchy(args.n_group, r.n_nodes)
-        else f"global (the EP group's {r.n_nodes} node(s) do not divide n_group {args.n_group} expert groups)"
-    )
+    if uses_hierarchy(args.n_group, r.n_nodes):
+        policy = f"hierarchical: {args.n_group} expert groups over {r.n_nodes} nodes"
+    elif r.n_nodes == 1:
+        policy = "global (the EP group is on one node)"
+    else:
+        policy = (
+            f"global (the EP group's {r.n_nodes} nodes do not divide n_group {args.n_group} expert groups)"
+        )
     slots = (args.n_routed_experts + r.redundant_experts) // ep
     lines = [
         f"Expert load balance (EPLB) for {plan.config.source} from {source}",
