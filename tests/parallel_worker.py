@@ -30,7 +30,10 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
         {"kv_cache_memory": 2_000_000, "block_size": 4, **plan.get("engine", {})}, strict=False
     )
     weights = WeightSpec(
-        ckpt, quantization=plan.get("quantization", "none"), expert_placement=plan.get("placement")
+        ckpt,
+        quantization=plan.get("quantization", "none"),
+        expert_placement=plan.get("placement"),
+        layer_expert_placement=plan.get("layer_placement"),
     )
     engine = LLMEngine(weights, mesh, config)
     read = [None] * mesh.world.size

@@ -17,6 +17,7 @@ from tiny_models import add_byte_tokenizer, make_hf_model
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import CheckpointReader, load_model
 from moelaunch.model.single_sequence import generate
+from moelaunch.parallel.eplb import balanced_placements
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,17 @@ VARIANTS_ON = {
     "pp2": ([1, 1, 2], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
 }
 BLOCK_SIZE = 4  # small blocks, so window and top-k drop whole blocks within these short sequences
-# name: (tp, dp, pp) and the requests; "placement" gives experts a non-contiguous home and copies.
+# EPLB placements from a skewed load, different in each MoE layer (1-3 of the tiny model): 4 redundant
+# copies over ep=4, hierarchical (the model's 2 expert groups on 2 nodes of 2 ranks).
+EPLB_LOAD = torch.tensor(
+    [[90, 3, 1, 40, 2, 7, 1, 0], [1, 1, 60, 5, 5, 30, 2, 8], [10, 200, 3, 3, 1, 1, 50, 9]]
+)
+EPLB_PLACEMENT = {
+    str(layer): [list(ranks) for ranks in p.owners]
+    for layer, p in zip((1, 2, 3), balanced_placements(EPLB_LOAD, 4, 4, n_groups=2, n_nodes=2), strict=True)
+}
+# name: (tp, dp, pp) and the requests; "placement" gives experts a non-contiguous home and copies;
+# "layer_placement" one per MoE layer.
 PLAN = {
     "tp2": {"shape": [2, 1, 1], "requests": REQUESTS},
     "ep-over-dp2": {"shape": [1, 2, 1], "requests": REQUESTS},
@@ -57,6 +68,7 @@ PLAN = {
         "requests": REQUESTS,
         "placement": [[1], [0, 1], [0], [1, 0], [0], [1], [0], [1]],
     },
+    "tp2xdp2-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "layer_placement": EPLB_PLACEMENT},
     **{
         f"{name}:{variant}": {"shape": shape, "requests": REQUESTS, **VARIANTS[variant]}
         for name, (shape, variants) in VARIANTS_ON.items()
@@ -127,6 +139,13 @@ def test_layout_matches_one_process(name, layouts, single_process):
         for ours, theirs in zip(got_logprobs, logprobs, strict=True):  # top-20 log-probabilities per step
             assert ours.keys() == theirs.keys()
             assert max(abs(ours[t] - theirs[t]) for t in ours) <= 1e-4
+
+
+def test_eplb_layout_differs_per_layer_with_copies():
+    """Else tp2xdp2-eplb would test nothing the global placements do not."""
+    owners = list(EPLB_PLACEMENT.values())
+    assert len({str(layer) for layer in owners}) == len(owners)
+    assert all(any(len(ranks) > 1 for ranks in layer) for layer in owners)
 
 
 @pytest.mark.parametrize("name", ["tp2", "ep-over-dp2", "tp2xdp2", "pp2"])

@@ -74,6 +74,8 @@ class AllToAllDispatch:
         local = torch.full((self.n_experts,), -1, dtype=torch.long, device="cpu")
         local[self.expert_ids] = torch.arange(len(self.expert_ids), device="cpu")
         self.local_index = local  # global expert id -> position among this rank's experts, or -1
+        # route_on_device sums every rank's outputs: an expert with copies counts on its first owner only.
+        self.counted_here = torch.tensor([ranks[0] == ep.index for ranks in placement.owners], device="cpu")
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         share = -(-x.shape[0] // self.tp.size)  # rows per TP rank, the last share padded
@@ -126,14 +128,16 @@ class AllToAllDispatch:
         run: RunByOffsets,
         base: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Every row through this rank's experts, the pairs of other ranks' experts weighted 0 (and run
-        through local expert 0 so that their outputs are finite), then the sum over the group."""
+        """Every row through this rank's experts, the pairs of other ranks' experts (and of copies whose
+        first owner is another rank) weighted 0 (other ranks' run through local expert 0 so that their
+        outputs are finite), then the sum over the group."""
         if not self.routes_on_device:
             raise RuntimeError("route_on_device needs every EP rank to hold the same rows (dp=1)")
         if self.local_index.device != ids.device:
             self.local_index = self.local_index.to(ids.device)
+            self.counted_here = self.counted_here.to(ids.device)
         local = self.local_index[ids]
-        mine = local >= 0
+        mine = self.counted_here[ids]
         order, sorted_ids, offsets = sort_by_expert(local.clamp(min=0), len(self.expert_ids))
         y = run(x.index_select(0, order // ids.shape[1]), sorted_ids, offsets, ids.numel())
         # The shared experts' output (base) is whole on every rank: added once, on the first.
