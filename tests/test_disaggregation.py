@@ -24,6 +24,7 @@ from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.disaggregated import DisaggregatedEngine
 from moelaunch.engine.drive import Request, drive
+from moelaunch.engine import kv_transport
 from moelaunch.engine.kv_handoff import KVHandoff
 from moelaunch.engine.kv_transport import transport_available
 from moelaunch.launcher import LLM, SamplingParams
@@ -83,7 +84,10 @@ def row_bytes(checkpoint: str, fp8: bool) -> int:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_disaggregated_tokens_equal_one_engine_and_only_prompt_rows_move(checkpoint, kv_cache_dtype):
+def test_disaggregated_tokens_equal_one_engine_and_only_prompt_rows_move(
+    checkpoint, kv_cache_dtype, monkeypatch
+):
+    monkeypatch.setattr(kv_transport, "MAX_BATCH", 7)  # a prompt's reads go in several batches
     prefill = part(checkpoint, "prefill", kv_cache_dtype=kv_cache_dtype)
     decode = part(checkpoint, "decode", kv_cache_dtype=kv_cache_dtype)
     router = DisaggregatedEngine([prefill], [decode])

@@ -17,6 +17,8 @@ INSTALL_HINT = (
     "install Mooncake's transfer engine: `pip install mooncake-transfer-engine-non-cuda` "
     "(or `pip install 'moelaunch[disagg]'`) and Debian's libibverbs1 (`apt-get install libibverbs1`)"
 )
+# Reads per batch: a larger batch overflows the TCP transport's queues, and the whole batch fails.
+MAX_BATCH = 1024
 TIMEOUT_VARIABLES = ("MC_TRANSFER_TIMEOUT", "MC_TCP_STATUS_TIMEOUT_SEC", "MC_TCP_PROGRESS_TIMEOUT_SEC")
 # A timeout the user set for Mooncake wins over the deployment's collective timeout.
 _USER_TIMEOUTS = {name for name in TIMEOUT_VARIABLES if name in os.environ}
@@ -81,10 +83,13 @@ class MooncakeTransport:
 
     def read(self, peer: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         """Copy lengths[i] bytes at the peer's address remote[i] to this process's address local[i]."""
-        if not lengths:
-            return
-        if self._engine.batch_transfer_sync_read(peer, local, remote, lengths) != 0:
-            raise KVTransferError(
-                f"reading {sum(lengths):,} KV bytes from {peer} failed: the prefill rank there died, hung "
-                f"past MC_TRANSFER_TIMEOUT={os.environ['MC_TRANSFER_TIMEOUT']} s, or cannot be reached"
-            )
+        for start in range(0, len(lengths), MAX_BATCH):
+            end = start + MAX_BATCH
+            if self._engine.batch_transfer_sync_read(
+                peer, local[start:end], remote[start:end], lengths[start:end]
+            ):
+                timeout = os.environ["MC_TRANSFER_TIMEOUT"]
+                raise KVTransferError(
+                    f"reading {sum(lengths):,} KV bytes from {peer} failed: the prefill rank there died, "
+                    f"hung past MC_TRANSFER_TIMEOUT={timeout} s, or cannot be reached"
+                )
