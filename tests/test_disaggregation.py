@@ -20,11 +20,11 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
+from moelaunch.engine import kv_transport
 from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.disaggregated import DisaggregatedEngine
 from moelaunch.engine.drive import Request, drive
-from moelaunch.engine import kv_transport
 from moelaunch.engine.kv_handoff import KVHandoff
 from moelaunch.engine.kv_transport import transport_available
 from moelaunch.launcher import LLM, SamplingParams
