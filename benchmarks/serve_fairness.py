@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,10 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_process import start_server, stop_server
 from moelaunch.cluster.rendezvous import free_port
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT
 
-START_TIMEOUT_S = 300
 BIG = {"model": "small", "prompt": ["Reverse hello"] * 100, "n": 16, "max_tokens": 16, "user": "batch"}
 CHAT = {"model": "small", "messages": [{"role": "user", "content": "What is 2+3?"}], "max_tokens": 16}
 
@@ -39,21 +38,7 @@ def serve(max_num_seqs: int, workdir: Path) -> tuple[subprocess.Popen, str]:
         f"model: {DEFAULT_CHECKPOINT}\nengine: {{max_num_seqs: {max_num_seqs}}}\n"
         f"server: {{port: {port}, max_queue: 2000}}\njob: {{mode: serve}}\n"
     )
-    log = open(workdir / "serve.log", "w")  # noqa: SIM115 - the server's output, kept while it runs
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moelaunch.launcher.cli", "serve", str(config)], stdout=log, stderr=log
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"the server did not come up:\n{(workdir / 'serve.log').read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
+    return start_server(config, port)
 
 
 def one_run(url: str, chat_user: str) -> tuple[float, float, float]:
@@ -102,8 +87,7 @@ def main() -> None:
                         flush=True,
                     )
         finally:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
     for way, runs in results.items():
         figures = [
             f"{name} {statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
