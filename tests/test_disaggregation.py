@@ -149,6 +149,8 @@ def test_a_prefill_rank_lost_before_the_read_fails_the_request_and_frees_its_blo
     try:
         assert parent.poll(120), "the prefill process handed nothing off"
         handoff = KVHandoff.from_dict(parent.recv())
+        decode.connect_kv(handoff.endpoints)  # as the router does when it starts
+        decode.step()
         os.kill(prefill.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         decode.add_request("r", prompt, GREEDY, None, handoff)
         started = time.monotonic()
@@ -187,3 +189,16 @@ def test_without_the_transfer_library_the_deployment_names_the_install(monkeypat
     cfg = load_deploy_config(REPO / "configs" / "examples" / "disaggregated-local.yaml")
     with pytest.raises(ValueError, match=r"pip install mooncake-transfer-engine-non-cuda.*libibverbs1"):
         run_deployment(cfg)
+
+
+def test_handed_off_blocks_nobody_reads_are_freed_after_the_timeout(checkpoint):
+    """A decode side that dies before reading: the prefill engine frees the blocks after timeout_s."""
+    prefill = part(checkpoint, "prefill")
+    prefill.add_request("r", PROMPTS[4], SamplingParams(temperature=0, max_tokens=1))
+    [out] = [o for step in drive(prefill) for o in step if o.finished]
+    assert out.kv_handoff.block_ids == prefill.held["r"]
+    assert prefill.blocks.num_free < prefill.blocks.num_blocks
+    time.sleep(TIMEOUT_S + 0.2)
+    assert prefill.has_unfinished()  # a step is due: it gives the blocks back
+    prefill.step()
+    assert prefill.held == {} and prefill.blocks.num_free == prefill.blocks.num_blocks

@@ -32,7 +32,7 @@ def test_the_deployment_files_in_the_readme_plan_as_written(tmp_path):
     from moelaunch.launcher.cli import main
 
     blocks = yaml_blocks((REPO / "README.md").read_text())
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     v3 = ["--set", f"model={REPO / 'configs/models/deepseek-v3-671b.json'}"]
     v3 += ["--set", "cluster.device=cuda", "--set", "cluster.device_memory_gb=141"]
     for i, block in enumerate(blocks):

@@ -36,6 +36,9 @@ class DisaggregatedEngine:
         self.max_model_len = min(e.max_model_len for e in prefill + decode)
         _check_caches(prefill[0].kv_endpoints, decode[0].kv_endpoints)
         self.transport = prefill[0].kv_endpoints[0].transport
+        for engine in decode:  # while the prefill ranks are known to be up
+            engine.connect_kv([e for p in prefill for e in p.kv_endpoints])
+            engine.step()
         self._results: queue.Queue = queue.Queue()
         self.prefill = [PrefillWorker(e, i, self._results) for i, e in enumerate(prefill)]
         self._params: dict[str, SamplingParams] = {}

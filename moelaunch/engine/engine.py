@@ -58,13 +58,14 @@ class StepCommand:
     new: list[NewSequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     kv_releases: list[str] = field(default_factory=list)  # handed-off prompts the decode side has read
+    kv_connect: list[dict] = field(default_factory=list)  # CacheEndpoints of prefill ranks to connect to
     stop: bool = False
     keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCommand:
         new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
-        return cls(new, d["aborts"], d["kv_releases"], d["stop"], d["keepalive"])
+        return cls(new, d["aborts"], d["kv_releases"], d["kv_connect"], d["stop"], d["keepalive"])
 
     def to_dict(self) -> dict:
         return {**vars(self), "new": [{**vars(n), "params": n.params.model_dump()} for n in self.new]}
@@ -270,6 +271,11 @@ class LLMEngine:
         """Rank 0 of a disaggregated deployment's engine: every rank's cache, as peers read it."""
         return self.kv.endpoints if self.kv else None
 
+    def connect_kv(self, endpoints: list[CacheEndpoint]) -> None:
+        """Decode role: every rank connects to these prefill ranks in the next step, while they are known
+        to be alive (a first contact with a peer that hangs waits out a fixed 60 s handshake)."""
+        self._pending.kv_connect += [e.to_dict() for e in endpoints]
+
     def release_kv(self, request_id: str) -> None:
         """Prefill role: the decode side has read (or given up on) this request's blocks."""
         if self._handed_off.pop(request_id, None) is not None:
@@ -277,13 +283,18 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         """Whether a step has work: unfinished requests, or handed-off blocks to release."""
+        self._expire_handoffs()
         return bool(self._pending.kv_releases) or any(r.unfinished for r in self.requests.values())
 
-    def step(self) -> list[RequestOutput]:
-        """One engine step on every rank; returns the requests that progressed (rank 0)."""
+    def _expire_handoffs(self) -> None:
+        """Prefill role: blocks no decode side read within kv_hold_s (it died, or gave up) are freed."""
         now = time.perf_counter()
         for request_id in [r for r, t in self._handed_off.items() if now - t > self.kv_hold_s]:
             self.release_kv(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step on every rank; returns the requests that progressed (rank 0)."""
+        self._expire_handoffs()
         command, self._pending = self._pending, StepCommand()
         self._broadcast(command)
         updates = self._execute(command)
@@ -346,6 +357,8 @@ class LLMEngine:
                 updates.append(SeqUpdate(seq.seq_id, None, None, None, ABORT))
         for request_id in command.kv_releases:
             self.blocks.release(self.held.pop(request_id, []))
+        for endpoint in command.kv_connect:
+            self.kv.connect(CacheEndpoint.from_dict(endpoint))
         plan = self.scheduler.schedule()
         failed = self._read_prefilled()
         for chunk in [c for c in plan if c.seq.seq_id in failed]:

@@ -32,6 +32,13 @@ class KVPeer:
     def replica_endpoints(self, replica: int) -> list[CacheEndpoint]:
         return [e for e in self.endpoints if e.replica == replica]
 
+    def connect(self, peer: CacheEndpoint) -> None:
+        """Make first contact with a prefill rank: one row read between the two scratch blocks (which
+        hold no sequence's tokens)."""
+        local, scratch = self.endpoint, (peer.held_blocks - 1) * peer.block_size
+        mine = local.pool + (local.held_blocks - 1) * local.block_size * local.row_bytes
+        self.transport.read(peer.session, [mine], [peer.pool + scratch * peer.row_bytes], [local.row_bytes])
+
     def pull(self, handoff: KVHandoff, block_ids: list[int], have_blocks: int) -> int:
         """Read the handed-off prompt's rows into block_ids past the first have_blocks (already here);
         returns the bytes read."""

@@ -32,6 +32,9 @@ class EngineProxy:
     def check_request(self, *args: Any) -> None:
         self._group.call("check_request", *args)
 
+    def connect_kv(self, endpoints: list) -> None:
+        self._group.call("connect_kv", endpoints)
+
     def release_kv(self, request_id: str) -> None:
         self._group.call("release_kv", request_id)
 
