@@ -20,6 +20,7 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
+from moelaunch.cluster.rendezvous import free_port
 from moelaunch.engine import kv_transport
 from moelaunch.engine.build import EngineSpec, build_engine
 from moelaunch.engine.config import EngineConfig
@@ -202,3 +203,26 @@ def test_handed_off_blocks_nobody_reads_are_freed_after_the_timeout(checkpoint):
     assert prefill.has_unfinished()  # a step is due: it gives the blocks back
     prefill.step()
     assert prefill.held == {} and prefill.blocks.num_free == prefill.blocks.num_blocks
+
+
+def test_a_disaggregated_server_answers_whole_and_streamed(tmp_path):
+    """`launch serve` on the example deployment: the openai client's whole and streamed answers agree
+    (the first token comes from the prefill part, the rest from the decode part)."""
+    import openai
+    from serve_process import served
+
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    example = (REPO / "configs" / "examples" / "disaggregated-local.yaml").read_text()
+    model = REPO / "checkpoints" / "small"
+    text = example.replace("../../checkpoints/small", str(model)).replace("mode: chat", "mode: serve")
+    config.write_text(text + f"server: {{port: {port}}}\n")
+    with served(config, port) as server:
+        client = openai.OpenAI(base_url=f"{server['url']}/v1", api_key="none")
+        ask = {"model": client.models.list().data[0].id, "temperature": 0, "max_tokens": 64,
+               "messages": [{"role": "user", "content": "What is 123+456?"}]}  # fmt: skip
+        whole = client.chat.completions.create(**ask).choices[0].message.content
+        pieces = [
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stream=True)
+        ]
+    assert whole == "579" and "".join(pieces) == whole
