@@ -270,3 +270,14 @@ job: {mode: batch, input: prompts.jsonl, output: results.jsonl, max_tokens: 256,
     cfg = load_deploy_config(write(tmp_path, text))
     assert cfg.model == str(tmp_path / "checkpoints" / "DeepSeek-V3")
     assert (cfg.job.mode, cfg.job.max_tokens, cfg.job.temperature) == ("batch", 256, 0.6)
+
+
+def test_slurm_and_k8s_refuse_a_disaggregated_deployment_naming_the_way(tmp_path, capsys):
+    from moelaunch.launcher.cli import main
+
+    path = write(
+        tmp_path, f"model: {REPO / 'checkpoints/small'}\ndisaggregation: {{prefill: {{}}, decode: {{}}}}\n"
+    )
+    for command in (["slurm", str(path), "--dry-run"], ["k8s", str(path), "--image", "x"]):
+        assert main(command) == 1
+        assert "do not take disaggregated deployments yet" in capsys.readouterr().err

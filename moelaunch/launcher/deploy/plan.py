@@ -197,6 +197,14 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     """Check the layout against the model and the cluster and place every rank; raises DeployConfigError
     or LayoutError with the fix when it cannot work. A plan that does not fit memory is still returned
     (plan.fits is False) so its tables can show why."""
+    if cfg.disaggregation is not None:  # each part is a deployment of its own: plan those
+        raise cfg.error(
+            "disaggregation",
+            "prefill and decode parts",
+            "one layout here: `launch plan` and `launch CONFIG` plan each part, while `launch slurm` and "
+            "`launch k8s` do not take disaggregated deployments yet (run one on a Ray cluster: "
+            "cluster.backend: ray)",
+        )
     if not Path(cfg.model).exists():
         raise cfg.error("model", cfg.model, "an existing checkpoint directory or config.json (no such path)")
     try:
