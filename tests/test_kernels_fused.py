@@ -106,3 +106,26 @@ def test_moe_route(experts, top_k, groups, kept, sigmoid, bias, normalize):
     assert torch.equal(ids, ref_ids)  # random scores: no ties, so the same experts in the same order
     # Both sum the same fp32 terms (softmax over the experts, then the top k), each a few ulps apart.
     torch.testing.assert_close(weights, ref_weights, rtol=4 * gamma(experts + top_k + 4), atol=0)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 6, 64), (37, 4, 16), (300, 8, 8), (0, 2, 4)])
+def test_moe_sort_rows_is_the_stable_sort_with_its_gather(tokens, top_k, experts):
+    x = torch.randn(tokens, 24)
+    # Ties everywhere (few experts, many pairs): the order within an expert's run must be the pairs'.
+    ids = (
+        torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+        if tokens
+        else torch.empty(0, top_k)
+    )
+    ids = ids.long()
+    got = ext.moe_sort_rows_cpu(x, ids, experts)
+    want = ref.moe_sort_rows_ref(x, ids, experts)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    rows, _, offsets, slot = got
+    assert torch.equal(rows[slot], x[:, None].expand(tokens, top_k, 24))  # each pair's row is its token's
+
+
+def test_moe_sort_rows_refuses_an_expert_id_out_of_range():
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        ext.moe_sort_rows_cpu(torch.randn(2, 4), torch.tensor([[0, 1], [2, 4]]), 4)

@@ -113,10 +113,10 @@ def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model):
         assert counters["stats"]["unique_graphs"] - graphs_before == 3
 
 
-# Device ops per layer of a batch-1 static decode step on the V3 shape below: 30.1 measured (the issue
-# asks for <= 20; the rest needs more fused kernels: the expert sort with its gather, residual add with
-# RMSNorm, the cache write with the latent's norm).
-OPS_PER_LAYER_BUDGET = 31
+# Device ops per layer of a batch-1 static decode step on the V3 shape below: 26.4 measured (30.6 before
+# the expert sort and its gather became one kernel; the issue asks for <= 20: the rest needs more fused
+# kernels: residual add with RMSNorm, q_a with kv_a, the cache write with the latent's norm).
+OPS_PER_LAYER_BUDGET = 27
 V3_SHAPE = dict(
     num_hidden_layers=8,
     first_k_dense_replace=0,

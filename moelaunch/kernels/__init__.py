@@ -20,7 +20,15 @@ from moelaunch.kernels.dispatch import (
     weight_quant,
 )
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
-from moelaunch.kernels.fused import mla_latent, moe_combine, moe_route, rms_norm, rotate_tail, silu_mul
+from moelaunch.kernels.fused import (
+    mla_latent,
+    moe_combine,
+    moe_route,
+    moe_sort_rows,
+    rms_norm,
+    rotate_tail,
+    silu_mul,
+)
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.int_dispatch import (
     int4_dequant,
@@ -71,6 +79,7 @@ __all__ = [
     "mla_latent",
     "moe_combine",
     "moe_route",
+    "moe_sort_rows",
     "paged_mla_decode",
     "prepare_cpu_kernels",
     "quantize_latent",

@@ -159,3 +159,16 @@ def moe_route_cpu(
 def _(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale) -> tuple[Tensor, Tensor]:
     rows = logits.shape[0]
     return logits.new_empty(rows, top_k), logits.new_empty(rows, top_k, dtype=torch.long)
+
+
+@torch.library.custom_op("moelaunch::moe_sort_rows_cpu", mutates_args=())
+def moe_sort_rows_cpu(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    rows, sorted_ids, offsets, slot = _ext().moe_sort_rows_cpu(x, ids, n_experts)
+    return rows, sorted_ids, offsets, slot
+
+
+@moe_sort_rows_cpu.register_fake
+def _(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    pairs = ids.numel()
+    return (x.new_empty(pairs, x.shape[1]), ids.new_empty(pairs), ids.new_empty(n_experts + 1),
+            ids.new_empty(ids.shape))  # fmt: skip

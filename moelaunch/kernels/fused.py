@@ -76,3 +76,10 @@ def moe_route(
         weights, ids = cpu_kernel("moe_route_cpu")(logits.contiguous(), bias, *args)
         return weights, ids
     return ref.moe_route_ref(logits, bias, *args)
+
+
+def moe_sort_rows(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Rows of x [T, D] per (token, expert) pair of ids [T, K], sorted by expert; see moe_sort_rows_ref."""
+    if selection.moe_sort_rows_on_cpu(x, ids):
+        return cpu_kernel("moe_sort_rows_cpu")(x, ids, n_experts)
+    return ref.moe_sort_rows_ref(x, ids, n_experts)

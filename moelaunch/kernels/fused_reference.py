@@ -5,6 +5,8 @@ tested against."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -89,3 +91,31 @@ def moe_route_ref(
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def moe_sort_rows_ref(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The (token, expert) pairs of ids [T, K] (pair i = token * K + k) sorted stably by expert, with their
+    token rows of x [T, D]: (rows [T*K, D], sorted pairs' experts [T*K], offsets [E + 1]: expert e's rows
+    are offsets[e]:offsets[e + 1], slot [T, K]: the row each pair went to)."""
+    sorted_ids, order = ids.flatten().sort(stable=True)
+    offsets = torch.searchsorted(sorted_ids, expert_bounds(n_experts, ids.device))
+    slot = torch.empty_like(order).scatter_(0, order, pair_numbers(order.numel(), ids.device))
+    return x.index_select(0, order // ids.shape[1]), sorted_ids, offsets, slot.view(ids.shape)
+
+
+@functools.cache
+def _arange(n: int, device: torch.device) -> Tensor:
+    """0..n-1 (int64), made once per size and device, not in every layer of every step; never written."""
+    return torch.arange(n, device=device)
+
+
+# Each a constant of a compiled graph (not rebuilt per call). torch.compile names such a constant after
+# its function, so each function takes one size per graph: one for the expert bounds, one for the pairs.
+@torch.compiler.assume_constant_result
+def expert_bounds(n_experts: int, device: torch.device) -> Tensor:
+    return _arange(n_experts + 1, device)
+
+
+@torch.compiler.assume_constant_result
+def pair_numbers(n_pairs: int, device: torch.device) -> Tensor:
+    return _arange(n_pairs, device)

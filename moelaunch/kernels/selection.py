@@ -148,3 +148,7 @@ def moe_route_on_cpu(logits: Tensor, bias: Tensor | None) -> bool:
     if bias is None:
         return _cpu_kernel_takes(logits)
     return _cpu_kernel_takes(logits, bias) and bias.is_contiguous()
+
+
+def moe_sort_rows_on_cpu(x: Tensor, ids: Tensor) -> bool:
+    return x.dim() == 2 and x.is_contiguous() and ids.is_contiguous() and _cpu_kernel_takes(x)

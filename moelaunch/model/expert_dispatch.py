@@ -8,13 +8,13 @@ to its run of rows) and combine the outputs per token with the routing weights.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
 from moelaunch import kernels
+from moelaunch.kernels.fused_reference import pair_numbers
 
 # (rows grouped by expert, rows per expert indexed by global expert id) -> expert outputs, same rows.
 RunExperts = Callable[[torch.Tensor, list[int]], torch.Tensor]
@@ -59,39 +59,13 @@ class ExpertDispatch(Protocol):
         ...
 
 
-@functools.cache
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """0..n-1 (int64), made once per size and device, not in every layer of every step; never written."""
-    return torch.arange(n, device=device)
-
-
-# Each a constant of a compiled graph (not rebuilt per call). torch.compile names such a constant after
-# its function, so each function takes one size per graph: one for the expert bounds, one for the pairs.
-@torch.compiler.assume_constant_result
-def _expert_bounds(n_experts: int, device: torch.device) -> torch.Tensor:
-    return _arange(n_experts + 1, device)
-
-
-@torch.compiler.assume_constant_result
-def _pair_numbers(n_pairs: int, device: torch.device) -> torch.Tensor:
-    return _arange(n_pairs, device)
-
-
 def combine_expert_outputs(
     y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, base: torch.Tensor | None = None
 ) -> torch.Tensor:
     """base + per token the routing-weighted sum of its expert outputs: y's row i is the output for
     (token, k) pair order[i] of weights [T, K] (pairs numbered token * K + k)."""
-    slot = torch.empty_like(order).scatter_(0, order, _pair_numbers(order.numel(), order.device))
+    slot = torch.empty_like(order).scatter_(0, order, pair_numbers(order.numel(), order.device))
     return kernels.moe_combine(y, slot.view(weights.shape), weights, base)
-
-
-def sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The (token, expert) pairs of ids [T, K] (numbered token * K + k) sorted by expert, all on the
-    device: (order [T*K], each sorted pair's expert [T*K], offsets [n_experts + 1]: expert e's pairs are
-    order[offsets[e]:offsets[e + 1]])."""
-    sorted_ids, order = ids.flatten().sort(stable=True)
-    return order, sorted_ids, torch.searchsorted(sorted_ids, _expert_bounds(n_experts, ids.device))
 
 
 class LocalDispatch:
@@ -131,7 +105,6 @@ class LocalDispatch:
         run: RunByOffsets,
         base: torch.Tensor | None,
     ) -> torch.Tensor:
-        order, sorted_ids, offsets = sort_by_expert(ids, self.n_experts)
+        rows, sorted_ids, offsets, slot = kernels.moe_sort_rows(x, ids, self.n_experts)
         # A token takes an expert at most once: no expert gets more rows than there are tokens.
-        y = run(x.index_select(0, order // ids.shape[1]), sorted_ids, offsets, x.shape[0])
-        return combine_expert_outputs(y, order, weights, base)
+        return kernels.moe_combine(run(rows, sorted_ids, offsets, x.shape[0]), slot, weights, base)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moelaunch.model.expert_dispatch import RunByOffsets, RunExperts, combine_expert_outputs, sort_by_expert
+from moelaunch import kernels
+from moelaunch.model.expert_dispatch import RunByOffsets, RunExperts, combine_expert_outputs
 from moelaunch.parallel.group import Group
 
 
@@ -138,10 +139,10 @@ class AllToAllDispatch:
             self.counted_here = self.counted_here.to(ids.device)
         local = self.local_index[ids]
         mine = self.counted_here[ids]
-        order, sorted_ids, offsets = sort_by_expert(local.clamp(min=0), len(self.expert_ids))
-        y = run(x.index_select(0, order // ids.shape[1]), sorted_ids, offsets, ids.numel())
+        rows, sorted_ids, offsets, slot = kernels.moe_sort_rows(x, local.clamp(min=0), len(self.expert_ids))
+        y = run(rows, sorted_ids, offsets, ids.numel())
         # The shared experts' output (base) is whole on every rank: added once, on the first.
-        partial = combine_expert_outputs(y, order, weights * mine, base if self.ep.index == 0 else None)
+        partial = kernels.moe_combine(y, slot, weights * mine, base if self.ep.index == 0 else None)
         return self.ep.all_reduce(partial)
 
     def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor, run: RunExperts) -> torch.Tensor:

@@ -100,3 +100,44 @@ std::vector<torch::Tensor> moe_route_cpu(torch::Tensor logits, c10::optional<tor
   });
   return {weights, ids};
 }
+
+// The (token, expert) pairs of ids [T, K] (pair i = token * K + k) sorted by expert, stably (a counting
+// sort), with each pair's token row gathered: (rows [T*K, D], the sorted pairs' experts [T*K], offsets
+// [E + 1]: expert e's rows are offsets[e]:offsets[e + 1], slot [T, K]: where each pair's row went). In
+// torch: sort, searchsorted, floor_divide, index_select and scatter_, five dispatches per layer.
+std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids, int64_t n_experts) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be contiguous fp32 [T, D]");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 2 && ids.is_contiguous() && ids.size(0) == x.size(0),
+              "ids must be contiguous int64 [T, K] with x's T");
+  const int64_t tokens = ids.size(0), k = ids.size(1), pairs = tokens * k, dim = x.size(1);
+  auto rows = torch::empty({pairs, dim}, x.options());
+  auto sorted_ids = torch::empty({pairs}, ids.options());
+  auto offsets = torch::empty({n_experts + 1}, ids.options());
+  auto slot = torch::empty({tokens, k}, ids.options());
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  int64_t* op = offsets.data_ptr<int64_t>();
+  int64_t* sp = slot.data_ptr<int64_t>();
+  int64_t* sorted = sorted_ids.data_ptr<int64_t>();
+  std::vector<int64_t> next(n_experts, 0);
+  for (int64_t i = 0; i < pairs; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n_experts, "expert id out of range");
+    ++next[ip[i]];
+  }
+  op[0] = 0;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    op[e + 1] = op[e] + next[e];
+    next[e] = op[e];
+  }
+  for (int64_t i = 0; i < pairs; ++i) {  // in pair order: a stable sort
+    const int64_t at = next[ip[i]]++;
+    sp[i] = at;
+    sorted[at] = ip[i];
+  }
+  const float* xp = x.data_ptr<float>();
+  float* rp = rows.data_ptr<float>();
+  at::parallel_for(0, pairs, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) std::copy_n(xp + (i / k) * dim, dim, rp + sp[i] * dim);
+  });
+  return {rows, sorted_ids, offsets, slot};
+}
