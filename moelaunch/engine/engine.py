@@ -15,6 +15,7 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
+from moelaunch.engine.eplb import apply_placements, check_eplb, rebalanced
 from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import (
@@ -25,14 +26,17 @@ from moelaunch.engine.outputs import (
     RequestOutput,
     non_finite_logits_error,
 )
+from moelaunch.engine.routed_load import LoadRecorder, LoadReport, moe_layer_ids, moe_layers
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.engine.sequence import Sequence
 from moelaunch.engine.static_decode import build_static_decode
 from moelaunch.engine.stats import EngineStats
 from moelaunch.engine.step_protocol import broadcast_json, gather_json
+from moelaunch.model.config import load_args
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.weight_spec import WeightSpec
+from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
 from moelaunch.parallel.mesh import ParallelMesh
 from moelaunch.parallel.parallelize import load_shard
 from moelaunch.text.tokenizer import Tokenizer
@@ -54,11 +58,14 @@ class StepCommand:
     aborts: list[str] = field(default_factory=list)
     stop: bool = False
     keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
+    read_load: bool = False  # after the step, sum the routed load over the ranks for rank 0
+    # Before the step, move these MoE layers' experts: {layer id: owner ranks per expert}.
+    placements: dict[str, list[list[int]]] | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCommand:
         new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
-        return cls(new, d["aborts"], d["stop"], d["keepalive"])
+        return cls(new, d["aborts"], d["stop"], d["keepalive"], d["read_load"], d["placements"])
 
     def to_dict(self) -> dict:
         return {**vars(self), "new": [{**vars(n), "params": n.params.model_dump()} for n in self.new]}
@@ -103,9 +110,17 @@ class LLMEngine:
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
+        if self.config.eplb is not None:
+            check_eplb(self.config.eplb, load_args(weights.model), mesh.shape)
         if mesh.device.type == "cpu":
             return_large_frees_to_the_os()  # host RSS then follows the plan's live figures
         self.model = load_shard(weights, mesh, with_mtp=use_mtp)
+        n_experts = self.model.args.n_routed_experts
+        self._loaded_placement = (
+            ExpertPlacement.from_map(weights.expert_placement, n_experts, mesh.shape.ep)
+            if weights.expert_placement
+            else ExpertPlacement.contiguous(n_experts, mesh.shape.ep)
+        )
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
             raise ValueError(
@@ -119,12 +134,13 @@ class LLMEngine:
         # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
         micro = self.config.micro_batches or mesh.shape.pp
-        static = build_static_decode(
-            self.config, self.model, self.cache, mesh.device, mesh.shape.pp == 1, self.max_model_len, use_mtp
-        )
         self.runner = ModelRunner(
-            self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer, static
+            self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer, self._static_decode()
         )
+        window = self.config.load_window
+        self.load = LoadRecorder(self.model, use_mtp, window, mesh.device) if window else None
+        self.expert_load: LoadReport | None = None  # rank 0: the last routed load read (every window steps)
+        self.rebalances = 0  # expert placements applied since the start (eplb or set_expert_placement)
         # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
         self.drafted = self.accepted = 0
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
@@ -135,6 +151,17 @@ class LLMEngine:
         self._next_seq_id = 0
         self._pending = StepCommand()
         self._replica_load = [0] * mesh.shape.dp
+
+    def _static_decode(self):
+        return build_static_decode(
+            self.config,
+            self.model,
+            self.cache,
+            self.mesh.device,
+            self.mesh.shape.pp == 1,
+            self.max_model_len,
+            self.config.speculative == "mtp",
+        )
 
     # ---- cache sizing: every rank must end up with the same number of blocks ----
     def _allocate_cache(self) -> PagedLatentCache:
@@ -229,6 +256,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step on every rank; returns the requests that progressed (rank 0)."""
         command, self._pending = self._pending, StepCommand()
+        # Rank 0 reads the routed load every window steps, so /metrics is at most a window old.
+        load = self.load
+        command.read_load |= load is not None and (load.counts.steps + 1) % load.counts.window == 0
         self._broadcast(command)
         updates = self._execute(command)
         return self._apply(updates)
@@ -264,6 +294,8 @@ class LLMEngine:
     # ---- every rank ----
     def _execute(self, command: StepCommand) -> list[SeqUpdate]:
         updates: list[SeqUpdate] = []
+        if command.placements is not None:
+            self._place_experts({int(k): v for k, v in command.placements.items()})
         for new in command.new:
             if new.replica == self.mesh.dp_index:
                 seed = (
@@ -295,7 +327,73 @@ class LLMEngine:
             updates.extend(seq_updates)
             if seq_updates[-1].finish_reason:
                 self._finish(chunk.seq, seq_updates[-1].finish_reason)
+        if self.load is not None:
+            self._after_step(command.read_load)
         return self._gather(updates)
+
+    # ---- routed load and expert placement (every rank, at the same step) ----
+    def _after_step(self, read: bool) -> None:
+        counts = self.load.counts
+        counts.end_step()
+        eplb = self.config.eplb
+        rebalance = eplb is not None and counts.steps % eplb.interval == 0
+        if not (read or rebalance):
+            return
+        window, total = self.load.summed(self.mesh.world)
+        if self.mesh.rank == 0:
+            self.expert_load = LoadReport(
+                counts.layer_ids,
+                window,
+                total,
+                counts.steps,
+                min(counts.steps, counts.window),
+                self.model.args.num_experts_per_tok,
+                self.placements(),
+            )
+        if rebalance and window.sum() > 0:  # nothing routed in the window: keep the map
+            placements = rebalanced(eplb, self.model.args, self.mesh.shape.ep, counts.layer_ids, window)
+            self._place_experts({layer: p.owners for layer, p in placements.items()})
+
+    def _place_experts(self, owners: dict[int, list[list[int]]]) -> None:
+        ep, n = self.mesh.shape.ep, self.model.args.n_routed_experts
+        apply_placements(
+            self.model, self.mesh, {i: ExpertPlacement.from_map(o, n, ep) for i, o in owners.items()}
+        )
+        self.rebalances += 1
+        if self.runner.static is not None:
+            # The static step's graphs hold the old stacks' shapes and the dispatcher's tables: rebuilt.
+            torch.compiler.reset()
+            self.runner.static = self._static_decode()
+
+    def placements(self) -> dict[int, ExpertPlacement]:
+        """Each MoE layer's expert placement (a layer on another stage: the placement it loaded with)."""
+        layers = moe_layers(self.model)
+        return {
+            i: layers[i].dispatch.placement
+            if i in layers and isinstance(layers[i].dispatch, AllToAllDispatch)
+            else self._loaded_placement
+            for i in moe_layer_ids(self.model, self.config.speculative == "mtp")
+        }
+
+    def set_expert_placement(self, owners: dict[int, list[list[int]]]) -> None:
+        """Rank 0: before the next step, move these MoE layers' experts to the EP ranks listed per expert
+        ({layer id: [[ranks of expert 0], ...]}, copies allowed); a map that cannot apply raises here."""
+        layers, ep, n = set(self.placements()), self.mesh.shape.ep, self.model.args.n_routed_experts
+        for layer, o in owners.items():
+            if layer not in layers:
+                raise ValueError(f"layer {layer} is not an MoE layer of this model (those: {sorted(layers)})")
+            ExpertPlacement.from_map(o, n, ep)
+        if ep == 1:
+            raise ValueError("one EP rank holds every expert (tp*dp = 1): there is no placement to change")
+        self._pending.placements = {str(k): [list(r) for r in v] for k, v in owners.items()}
+
+    def read_expert_load(self) -> LoadReport:
+        """Rank 0: the routed load now, summed over the ranks (one step that schedules nothing new)."""
+        if self.load is None:
+            raise ValueError("the engine records no routed load: set expert_load_window (or eplb)")
+        self._pending.read_load = True
+        self.step()
+        return self.expert_load
 
     def _accept(self, chunk: ScheduledChunk, result: StepResult) -> list[SeqUpdate]:
         """Append the step's tokens (kept draft tokens, then the sampled one) up to any finish."""

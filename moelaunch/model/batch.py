@@ -60,6 +60,14 @@ class BatchLayout:
         return int(self.positions.shape[0])
 
     @cached_property
+    def valid_rows(self) -> torch.Tensor | None:
+        """[N] bool on the device: a static step's rows that are not bucket padding (padding writes to
+        the cache's scratch block, which no sequence owns); None: every row is real."""
+        if not self.static:
+            return None
+        return self.slots // self.cache.block_size != self.cache.scratch_block
+
+    @cached_property
     def decode_rows(self) -> DecodeRows | None:
         """The rows that attend as decodes (each token over its own prefix, all in one kernel call): the
         tokens of spans up to DECODE_SPAN_MAX long, or of every span under top-k block attention (which
