@@ -134,6 +134,16 @@ class EngineConfig(BaseModel):
         return self.eplb.window if self.eplb is not None else self.expert_load_window
 
     @model_validator(mode="after")
+    def _one_window(self) -> EngineConfig:
+        eplb, window = self.eplb, self.expert_load_window
+        if eplb is not None and window is not None and window != eplb.window:
+            raise ValueError(
+                f"expert_load_window={window} but eplb.window={eplb.window}: the engine records one "
+                "window; set one of them, or both alike"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _graph_sizes(self) -> EngineConfig:
         if self.cuda_graph_sizes is not None and (
             not self.cuda_graph_sizes or min(self.cuda_graph_sizes) < 1

@@ -57,8 +57,8 @@ class StepCommand:
     new: list[NewSequence] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     stop: bool = False
-    keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
-    read_load: bool = False  # after the step, sum the routed load over the ranks for rank 0
+    keepalive: bool = False  # no step: only resets the peers' collective timeout (and reads the load)
+    read_load: bool = False  # after the step (or instead, with keepalive), sum the routed load for rank 0
     # Before the step, move these MoE layers' experts: {layer id: owner ranks per expert}.
     placements: dict[str, list[list[int]]] | None = None
 
@@ -282,6 +282,8 @@ class LLMEngine:
                 return
             if not command.keepalive:
                 self._execute(command)
+            elif command.read_load:
+                self._read_load()
 
     def _broadcast(self, command: StepCommand | None) -> StepCommand:
         mesh = self.mesh
@@ -339,6 +341,15 @@ class LLMEngine:
         rebalance = eplb is not None and counts.steps % eplb.interval == 0
         if not (read or rebalance):
             return
+        window = self._read_load()
+        if rebalance and window.sum() > 0:  # nothing routed in the window: keep the map
+            placements = rebalanced(eplb, self.model.args, self.mesh.shape.ep, counts.layer_ids, window)
+            self._place_experts({layer: p.owners for layer, p in placements.items()})
+
+    def _read_load(self) -> torch.Tensor:
+        """Every rank: the routed load summed over the ranks (rank 0 keeps it as expert_load); returns
+        the window's counts."""
+        counts = self.load.counts
         window, total = self.load.summed(self.mesh.world)
         if self.mesh.rank == 0:
             self.expert_load = LoadReport(
@@ -350,9 +361,7 @@ class LLMEngine:
                 self.model.args.num_experts_per_tok,
                 self.placements(),
             )
-        if rebalance and window.sum() > 0:  # nothing routed in the window: keep the map
-            placements = rebalanced(eplb, self.model.args, self.mesh.shape.ep, counts.layer_ids, window)
-            self._place_experts({layer: p.owners for layer, p in placements.items()})
+        return window
 
     def _place_experts(self, owners: dict[int, list[list[int]]]) -> None:
         ep, n = self.mesh.shape.ep, self.model.args.n_routed_experts
@@ -388,11 +397,12 @@ class LLMEngine:
         self._pending.placements = {str(k): [list(r) for r in v] for k, v in owners.items()}
 
     def read_expert_load(self) -> LoadReport:
-        """Rank 0: the routed load now, summed over the ranks (one step that schedules nothing new)."""
+        """Rank 0: the routed load now, summed over the ranks (between steps: no step runs)."""
         if self.load is None:
             raise ValueError("the engine records no routed load: set expert_load_window (or eplb)")
-        self._pending.read_load = True
-        self.step()
+        if self.mesh.world.size > 1:
+            self._broadcast(StepCommand(keepalive=True, read_load=True))
+        self._read_load()
         return self.expert_load
 
     def _accept(self, chunk: ScheduledChunk, result: StepResult) -> list[SeqUpdate]:
