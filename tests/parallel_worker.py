@@ -47,9 +47,12 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
                                 seed=r.get("seed", 0), ignore_eos=True, logprobs=20)  # fmt: skip
         engine.add_request(str(r["id"]), r["prompt"], params)
     done = run_to_completion(engine)
+    load = engine.read_expert_load() if engine.load is not None else None  # every rank joins the sum
     engine.shutdown()
     results = {int(k): (v.outputs[0].token_ids, v.outputs[0].logprobs) for k, v in done.items()}
     saved = {"results": results, "bytes_read": read, "experts": gather_experts(engine)}
+    if load is not None:
+        saved["load"] = load.file(load.total)
     torch.save(saved, out_dir / f"{name}.pt")
 
 

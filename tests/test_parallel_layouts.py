@@ -182,6 +182,9 @@ def test_live_rebalance_moves_experts(name, layouts, checkpoint_experts):
         assert slots == [3, 3, 3, 3], (layer, owners)
         assert all(r["placements"][layer] == owners for r in ranks)  # every rank computed the same map
     assert_experts_as_placed(ranks, checkpoint_experts)
+    # The record summed over the ranks counts each token once (every TP share, every DP replica).
+    fed = sum(len(r["prompt"]) + r["max_new_tokens"] - 1 for r in REQUESTS)
+    assert layouts[name]["load"]["tokens"] == fed
 
 
 def test_explicit_placement_lands(layouts, checkpoint_experts):

@@ -360,6 +360,7 @@ class LLMEngine:
                 min(counts.steps, counts.window),
                 self.model.args.num_experts_per_tok,
                 self.placements(),
+                self.rebalances,
             )
         return window
 

@@ -57,6 +57,7 @@ class LoadReport:
     window_steps: int
     top_k: int
     placements: dict[int, ExpertPlacement]  # each layer's expert placement when read
+    rebalances: int  # placements applied since the start
 
     def tokens(self, counts: torch.Tensor) -> int:
         """Tokens the first MoE layer routed (each to top_k experts); MTP layers route fewer."""

@@ -40,10 +40,16 @@ class Answer:
         return is_correct(self.problem, self.output)
 
 
-def open_engine(model: str | Path) -> LLM:
-    """The engine on `model`, drafting with its MTP layer when the checkpoint has one."""
+def open_engine(model: str | Path, record_load: bool = False) -> LLM:
+    """The engine on `model`, drafting with its MTP layer when the checkpoint has one; record_load: it
+    records routed load (the whole run's total is what is read here, so the window is one step)."""
     mtp = has_mtp_weights(load_args(model), CheckpointReader(model))
-    return LLM(model=str(model), speculative="mtp" if mtp else None, kv_cache_memory=KV_CACHE_BYTES)
+    return LLM(
+        model=str(model),
+        speculative="mtp" if mtp else None,
+        kv_cache_memory=KV_CACHE_BYTES,
+        expert_load_window=1 if record_load else None,
+    )
 
 
 def ask(llm: LLM, conversations: Sequence[Conversation]) -> list[Answer]:

@@ -54,18 +54,11 @@ class BatchLayout:
     block_tables: torch.Tensor | None = None  # [len(spans), max_blocks] block ids per span
     slots: torch.Tensor | None = None  # [N] flat cache slot of every token
     static: bool = False  # a static decode step: device values only, shapes fixed by the batch bucket
+    valid_rows: torch.Tensor | None = None  # [N] bool: a static step's rows that are not bucket padding
 
     @property
     def n_tokens(self) -> int:
         return int(self.positions.shape[0])
-
-    @cached_property
-    def valid_rows(self) -> torch.Tensor | None:
-        """[N] bool on the device: a static step's rows that are not bucket padding (padding writes to
-        the cache's scratch block, which no sequence owns); None: every row is real."""
-        if not self.static:
-            return None
-        return self.slots // self.cache.block_size != self.cache.scratch_block
 
     @cached_property
     def decode_rows(self) -> DecodeRows | None:
@@ -136,7 +129,10 @@ class BatchLayout:
         (start_pos is not known on the host); every layer takes the decode rows as they are."""
         n = positions.shape[0]
         spans = [SeqSpan(i, 1, 0) for i in range(n)]
-        layout = cls(spans, positions, cache, block_tables, slots, static=True)
+        # Padding rows write to the scratch block, which no sequence owns. Only the routed-load count
+        # reads this; a compiled step drops it where nothing does.
+        valid = slots // cache.block_size != cache.scratch_block
+        layout = cls(spans, positions, cache, block_tables, slots, static=True, valid_rows=valid)
         rows = torch.arange(n, device=positions.device)
         layout.decode_rows = DecodeRows(list(range(n)), rows, seq_lens, block_tables, every_row=True)
         return layout

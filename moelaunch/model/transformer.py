@@ -51,9 +51,7 @@ class DecoderLayer(nn.Module):
         h = self.post_attention_layernorm(x)
         # A static step routes MoE rows on the device (no counts read back).
         if layout.static and isinstance(self.mlp, MoE):
-            # Padding rows are told apart only where routed load is counted (two more ops).
-            valid = layout.valid_rows if self.mlp.counted is not None else None
-            return x + self.mlp(h, static=True, valid=valid)
+            return x + self.mlp(h, static=True, valid=layout.valid_rows)
         return x + self.mlp(h)
 
 
