@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.engine.config import EngineConfig, EplbConfig
@@ -16,8 +18,10 @@ from moelaunch.engine.eplb import check_eplb
 from moelaunch.engine.routed_load import LoadReport
 from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.model.config import load_args
 from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape
 
 PROMPTS = [[5, 6, 7, 8, 9], [3] * 11, [9, 10]]  # three decodes: batch bucket 4, one padding row
@@ -118,3 +122,26 @@ def test_eplb_config_refusals():
 def test_expert_load_window_and_eplb_window_agree():
     with pytest.raises(ValueError, match="expert_load_window=5.*eplb.window=4"):
         EngineConfig(expert_load_window=5, eplb={"window": 4})
+
+
+def test_metrics_of_a_report():
+    """Per layer: max/mean tokens per expert and routed rows per EP rank (an expert's copies share its
+    rows); per EP rank: rows over all layers. Never one series per expert."""
+    window = torch.tensor([[10, 0, 0, 2], [3, 3, 3, 3]])
+    placement = ExpertPlacement(((0,), (1,), (1,), (0, 1)), 2)
+    report = LoadReport([1, 2], window, window, 7, 3, 2, {1: placement, 2: placement}, rebalances=2)
+    metrics = ServeMetrics()
+    metrics.expert_load(report)
+    text = generate_latest(metrics.registry).decode()
+
+    def value(series: str) -> float:
+        return float(re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE).group(1))
+
+    assert value('moelaunch_expert_load_imbalance{layer="1"}') == pytest.approx(10 / 3)
+    assert value('moelaunch_expert_load_imbalance{layer="2"}') == 1.0
+    assert value('moelaunch_ep_rank_load_imbalance{layer="1"}') == pytest.approx(11 / 6)  # ranks: 11, 1
+    assert value('moelaunch_ep_rank_routed_rows{ep_rank="0"}') == 11 + 3 + 1.5
+    assert value('moelaunch_ep_rank_routed_rows{ep_rank="1"}') == 1 + 6 + 1.5
+    assert value("moelaunch_expert_load_window_tokens") == 6  # 12 pairs, 2 experts per token
+    assert value("moelaunch_eplb_rebalances") == 2
+    assert text.count("moelaunch_expert_load_imbalance{") == 2
