@@ -133,12 +133,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.blocks)
         # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
+        window = self.config.load_window  # recording first: the static step is built for it
+        self.load = LoadRecorder(self.model, use_mtp, window, mesh.device) if window else None
         micro = self.config.micro_batches or mesh.shape.pp
         self.runner = ModelRunner(
             self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer, self._static_decode()
         )
-        window = self.config.load_window
-        self.load = LoadRecorder(self.model, use_mtp, window, mesh.device) if window else None
         self.expert_load: LoadReport | None = None  # rank 0: the last routed load read (every window steps)
         self.rebalances = 0  # expert placements applied since the start (eplb or set_expert_placement)
         # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
