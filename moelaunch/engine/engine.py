@@ -15,7 +15,7 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
-from moelaunch.engine.eplb import apply_placements, check_eplb, rebalanced
+from moelaunch.engine.eplb import apply_placements, check_eplb, rebalanced, redundant_expert_bytes
 from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import (
@@ -172,7 +172,9 @@ class LLMEngine:
             model.args, len(model.layer_ids()), cfg.block_size, model.weight_dtype(), fp8, sparse
         )
         fraction = cfg.kv_cache_fraction or default_kv_cache_fraction(self.mesh.device.type)
-        budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * fraction)
+        # Room kept for the expert copies a rebalance will bring (engine.eplb's redundant experts).
+        later = redundant_expert_bytes(model, cfg.eplb, self.mesh.shape.ep) if cfg.eplb else 0
+        budget = cfg.kv_cache_memory or int((available_bytes(self.mesh.device) - later) * fraction)
         # More blocks than every sequence at full length could use are never touched.
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = torch.tensor([min(num_blocks_for(budget, per_block), cfg.max_num_seqs * per_seq)])

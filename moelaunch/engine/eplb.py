@@ -59,3 +59,15 @@ def rebalanced(
         window, ep_size, config.redundant_experts, args.n_group, ep_nodes(ep_size)
     )
     return dict(zip(layer_ids, placements, strict=True))
+
+
+def redundant_expert_bytes(model: Transformer, config: EplbConfig, ep_size: int) -> int:
+    """Bytes this rank will hold beyond its loaded experts once rebalanced: every rank then holds
+    (experts + redundant) / ep of them per MoE layer."""
+    slots = (model.args.n_routed_experts + config.redundant_experts) // ep_size
+    total = 0
+    for moe in moe_layers(model).values():
+        expert = moe.experts[str(moe.local_ids[0])]
+        per_expert = sum(t.numel() * t.element_size() for t in expert.state_dict().values())
+        total += max(slots - len(moe.local_ids), 0) * per_expert
+    return total
