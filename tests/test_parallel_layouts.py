@@ -17,6 +17,7 @@ from tiny_models import add_byte_tokenizer, make_hf_model
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import CheckpointReader, load_model
 from moelaunch.model.single_sequence import generate
+from moelaunch.model.weight_spec import WeightSpec
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,13 @@ PLAN = {
     # Live expert rebalancing (engine.eplb) every 4 steps, 4 redundant copies: 3 experts per EP rank.
     "tp2xdp2-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
     "dp4-eplb": {"shape": [1, 4, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
+    # INT4 experts: packed weights, scales and zero points move together.
+    "dp4-eplb:int4+topk": {
+        "shape": [1, 4, 1],
+        "requests": REQUESTS,
+        "quantization": "int4",
+        "engine": {**VARIANTS["int4+topk"]["engine"], "eplb": EPLB},
+    },
     # An explicit placement per MoE layer (copies, uneven counts), moved to before the first step.
     "dp4-swap": {"shape": [1, 4, 1], "requests": REQUESTS, "swap": SWAP},
     **{
@@ -160,10 +168,9 @@ def assert_experts_as_placed(ranks: list[dict], reference: dict[int, dict[str, t
                 assert all(torch.equal(tensors[k], expected[k]) for k in tensors), (layer, e)
 
 
-@pytest.fixture(scope="module")
-def checkpoint_experts(checkpoint) -> dict[str, dict[str, torch.Tensor]]:
+def checkpoint_experts(checkpoint, quantization: str = "none") -> dict[str, dict[str, torch.Tensor]]:
     """The one-process model's routed experts' tensors, by module prefix."""
-    model = load_model(checkpoint)
+    model = load_model(WeightSpec(str(checkpoint), quantization=quantization))
     return {
         f"{name}.": module.state_dict()
         for name, module in model.named_modules()
@@ -171,23 +178,24 @@ def checkpoint_experts(checkpoint) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-@pytest.mark.parametrize("name", ["tp2xdp2-eplb", "dp4-eplb"])
-def test_live_rebalance_moves_experts(name, layouts, checkpoint_experts):
+@pytest.mark.parametrize("name", ["tp2xdp2-eplb", "dp4-eplb", "dp4-eplb:int4+topk"])
+def test_live_rebalance_moves_experts(name, layouts, checkpoint):
     """The rebalances ran (their tokens match one process above), each left every rank 3 of the 12
-    expert slots, and the weights of every copy are where the map says."""
+    expert slots, and the tensors of every copy (integer weights with their scales and zero points
+    too) are where the map says."""
     ranks = layouts[name]["experts"]
     assert all(r["rebalances"] >= 3 for r in ranks)  # every 4 of the ~20 steps
     for layer, owners in ranks[0]["placements"].items():
         slots = [sum(r in o for o in owners) for r in range(4)]
         assert slots == [3, 3, 3, 3], (layer, owners)
         assert all(r["placements"][layer] == owners for r in ranks)  # every rank computed the same map
-    assert_experts_as_placed(ranks, checkpoint_experts)
+    assert_experts_as_placed(ranks, checkpoint_experts(checkpoint, PLAN[name].get("quantization", "none")))
     # The record summed over the ranks counts each token once (every TP share, every DP replica).
     fed = sum(len(r["prompt"]) + r["max_new_tokens"] - 1 for r in REQUESTS)
     assert layouts[name]["load"]["tokens"] == fed
 
 
-def test_explicit_placement_lands(layouts, checkpoint_experts):
+def test_explicit_placement_lands(layouts, checkpoint):
     ranks = layouts["dp4-swap"]["experts"]
     assert ranks[0]["placements"] == {int(k): tuple(map(tuple, v)) for k, v in SWAP.items()}
-    assert_experts_as_placed(ranks, checkpoint_experts)
+    assert_experts_as_placed(ranks, checkpoint_experts(checkpoint))
