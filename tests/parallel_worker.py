@@ -31,7 +31,10 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
         {"kv_cache_memory": 2_000_000, "block_size": 4, **plan.get("engine", {})}, strict=False
     )
     weights = WeightSpec(
-        ckpt, quantization=plan.get("quantization", "none"), expert_placement=plan.get("placement")
+        ckpt,
+        quantization=plan.get("quantization", "none"),
+        expert_placement=plan.get("placement"),
+        layer_expert_placement=plan.get("layer_placement"),
     )
     engine = LLMEngine(weights, mesh, config)
     read = [None] * mesh.world.size
@@ -52,7 +55,7 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
     results = {int(k): (v.outputs[0].token_ids, v.outputs[0].logprobs) for k, v in done.items()}
     saved = {"results": results, "bytes_read": read, "experts": gather_experts(engine)}
     if load is not None:
-        saved["load"] = load.file(load.total)
+        saved["load_tokens"] = load.tokens(load.total)
     torch.save(saved, out_dir / f"{name}.pt")
 
 

@@ -11,8 +11,17 @@ import re
 import pytest
 import torch
 
+from moelaunch.measure.random_checkpoint import SHAPES
+from moelaunch.model.config import args_from_hf_config
+from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.model.expert_load_file import read_expert_load, write_expert_load
+from moelaunch.model.moe import MoE
+from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.eplb import _pack, balanced_placements, max_over_mean, rank_loads, uses_hierarchy
-from moelaunch.parallel.expert_parallel import ExpertPlacement
+from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
+from moelaunch.parallel.group import Group
+from moelaunch.parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.parallel.parallelize import MeshShard
 
 
 def zipf_load(n_layers: int, n_experts: int, seed: int = 0) -> torch.Tensor:
@@ -160,3 +169,68 @@ def test_bad_load_is_refused():
         balanced_placements(torch.ones(8), 2, 0, 1, 1)
     with pytest.raises(ValueError, match="negative or non-finite"):
         balanced_placements(torch.tensor([[1.0, -1.0]]), 2, 0, 1, 1)
+
+
+def test_each_layer_holds_its_own_placement():
+    """MeshShard gives every MoE layer its own placement (the default where none is given): the experts
+    a rank builds are the ones its layer's placement gives it, copies included."""
+    args = args_from_hf_config({**SHAPES["tiny"], "num_hidden_layers": 4})  # MoE layers 1-3
+    shape = MeshShape(tp=1, dp=4)
+    load = zipf_load(2, args.n_routed_experts)
+    per_layer = dict(zip((1, 2), balanced_placements(load, 4, 4, args.n_group, 1), strict=True))
+    for rank in range(4):
+        shard = MeshShard(args, ParallelMesh.planned(shape, rank), layer_placements=per_layer)
+        with torch.device("meta"):
+            model = Transformer(args, with_mtp=False, shard=shard)
+        for layer in (1, 2):
+            assert model.model.layers[str(layer)].mlp.local_ids == per_layer[layer].experts_of(rank)
+        contiguous = ExpertPlacement.contiguous(args.n_routed_experts, 4)
+        assert model.model.layers["3"].mlp.local_ids == contiguous.experts_of(rank)
+
+
+class SummedByCaller(Group):
+    """A group whose all-reduce leaves the sum to the test (ranks simulated one after another)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_copies_count_once_when_every_rank_routes_all_rows():
+    """ep = tp (dp=1): every rank runs all rows through the experts it holds and the group sums; an
+    expert held twice must still count once (the static decode step's path)."""
+    torch.manual_seed(0)
+    args = args_from_hf_config({**SHAPES["tiny"], "n_group": 1, "topk_group": 1})
+    whole = MoE(args)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.normal_(0, 0.2)
+    whole.eval().requires_grad_(False)
+    x = torch.randn(16, args.hidden_size)
+    expected = whole(x)
+    placement = ExpertPlacement.from_map([[0, 1], [0], [1], [0, 1], [0], [1], [0], [1]], 8, 2)
+    total = torch.zeros_like(expected)
+    for rank in (0, 1):
+        group = SummedByCaller([0, 1], rank, None)
+        part = MoE(args, AllToAllDispatch(placement, group, group))
+        part.load_state_dict(whole.state_dict(), strict=False)
+        part.eval().requires_grad_(False).stack_experts()
+        total += part(x, static=True)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_load_file_round_trip_with_layers_from_the_gates(tmp_path):
+    """ExpertLoad.by_layer keys the gates' counts by decoder layer index (MTP: num_hidden_layers + k),
+    as the expert-load file wants; what write_expert_load writes, read_expert_load reads back."""
+    args = args_from_hf_config({**SHAPES["tiny"], "num_hidden_layers": 4, "num_nextn_predict_layers": 1})
+    with torch.device("meta"):
+        model = Transformer(args, with_mtp=True)
+    load = ExpertLoad(model)
+    for i, counts in enumerate(load.counts.values()):
+        counts += torch.arange(8) * (i + 1)
+    by_layer = load.by_layer()
+    assert sorted(by_layer) == [1, 2, 3, 4]  # 0 is dense; 4 is the MTP layer
+    assert by_layer[4].tolist() == load.counts["mtp.0.mlp.gate"].tolist()
+    write_expert_load(tmp_path / "load.json", 123, by_layer)
+    read = read_expert_load(tmp_path / "load.json", args)
+    assert read.tokens == 123 and read.layers == (1, 2, 3, 4)
+    assert torch.equal(read.counts, torch.stack([by_layer[i] for i in (1, 2, 3, 4)]))

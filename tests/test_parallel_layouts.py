@@ -18,6 +18,7 @@ from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import CheckpointReader, load_model
 from moelaunch.model.single_sequence import generate
 from moelaunch.model.weight_spec import WeightSpec
+from moelaunch.parallel.eplb import balanced_placements
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,17 @@ SWAP = {
     "2": [[0, 1, 2, 3], [3], [3], [2], [2], [1], [1], [0]],
     "3": [[1], [0], [3], [2], [1, 2], [0], [3], [2]],
 }
-# name: (tp, dp, pp) and the requests; "placement" gives experts a non-contiguous home and copies.
+# EPLB placements from a skewed load, different in each MoE layer (1-3 of the tiny model): 4 redundant
+# copies over ep=4, hierarchical (the model's 2 expert groups on 2 nodes of 2 ranks).
+EPLB_LOAD = torch.tensor(
+    [[90, 3, 1, 40, 2, 7, 1, 0], [1, 1, 60, 5, 5, 30, 2, 8], [10, 200, 3, 3, 1, 1, 50, 9]]
+)
+EPLB_PLACEMENT = {
+    str(layer): [list(ranks) for ranks in p.owners]
+    for layer, p in zip((1, 2, 3), balanced_placements(EPLB_LOAD, 4, 4, n_groups=2, n_nodes=2), strict=True)
+}
+# name: (tp, dp, pp) and the requests; "placement" gives experts a non-contiguous home and copies;
+# "layer_placement" one per MoE layer.
 PLAN = {
     "tp2": {"shape": [2, 1, 1], "requests": REQUESTS},
     "ep-over-dp2": {"shape": [1, 2, 1], "requests": REQUESTS},
@@ -64,11 +75,12 @@ PLAN = {
         "requests": REQUESTS,
         "placement": [[1], [0, 1], [0], [1, 0], [0], [1], [0], [1]],
     },
+    "tp2xdp2-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "layer_placement": EPLB_PLACEMENT},
     # Live expert rebalancing (engine.eplb) every 4 steps, 4 redundant copies: 3 experts per EP rank.
-    "tp2xdp2-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
-    "dp4-eplb": {"shape": [1, 4, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
+    "tp2xdp2-live-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
+    "dp4-live-eplb": {"shape": [1, 4, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
     # INT4 experts: packed weights, scales and zero points move together.
-    "dp4-eplb:int4+topk": {
+    "dp4-live-eplb:int4+topk": {
         "shape": [1, 4, 1],
         "requests": REQUESTS,
         "quantization": "int4",
@@ -148,6 +160,13 @@ def test_layout_matches_one_process(name, layouts, single_process):
             assert max(abs(ours[t] - theirs[t]) for t in ours) <= 1e-4
 
 
+def test_eplb_layout_differs_per_layer_with_copies():
+    """Else tp2xdp2-eplb would test nothing the global placements do not."""
+    owners = list(EPLB_PLACEMENT.values())
+    assert len({str(layer) for layer in owners}) == len(owners)
+    assert all(any(len(ranks) > 1 for ranks in layer) for layer in owners)
+
+
 @pytest.mark.parametrize("name", ["tp2", "ep-over-dp2", "tp2xdp2", "pp2"])
 def test_no_rank_reads_the_whole_checkpoint(name, layouts, checkpoint):
     full = CheckpointReader(checkpoint).total_bytes()
@@ -178,7 +197,7 @@ def checkpoint_experts(checkpoint, quantization: str = "none") -> dict[str, dict
     }
 
 
-@pytest.mark.parametrize("name", ["tp2xdp2-eplb", "dp4-eplb", "dp4-eplb:int4+topk"])
+@pytest.mark.parametrize("name", ["tp2xdp2-live-eplb", "dp4-live-eplb", "dp4-live-eplb:int4+topk"])
 def test_live_rebalance_moves_experts(name, layouts, checkpoint):
     """The rebalances ran (their tokens match one process above), each left every rank 3 of the 12
     expert slots, and the tensors of every copy (integer weights with their scales and zero points
@@ -192,7 +211,7 @@ def test_live_rebalance_moves_experts(name, layouts, checkpoint):
     assert_experts_as_placed(ranks, checkpoint_experts(checkpoint, PLAN[name].get("quantization", "none")))
     # The record summed over the ranks counts each token once (every TP share, every DP replica).
     fed = sum(len(r["prompt"]) + r["max_new_tokens"] - 1 for r in REQUESTS)
-    assert layouts[name]["load"]["tokens"] == fed
+    assert layouts[name]["load_tokens"] == fed
 
 
 def test_explicit_placement_lands(layouts, checkpoint):

@@ -4,16 +4,22 @@ hand from the published DeepSeek-V3 shapes (not from plan.py's code)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from moelaunch.engine.build import EngineSpec
 from moelaunch.launcher.cli import main
 from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_config
 from moelaunch.launcher.deploy.plan import build_plan
+from moelaunch.launcher.jobs.run import engine_spec
+from moelaunch.model.config import load_args
+from moelaunch.model.expert_load_file import write_expert_load
 from moelaunch.parallel.mesh import LayoutError
+from moelaunch.parallel.placement_file import read_placement_file
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "configs" / "examples" / "deepseek-v3-2x8-h200.yaml"
@@ -253,3 +259,93 @@ def test_json_output(tmp_path, capsys):
     assert data["ranks"][9]["node"] == 1 and data["ranks"][9]["experts"] == list(range(144, 160))
     assert data["ranks"][0]["total_bytes"] == WEIGHTS + KV + ACTIVATIONS
     assert data["groups"]["tp"] == [list(range(8)), list(range(8, 16))]
+
+
+def skewed_load(path: Path) -> Path:
+    """Measured-load file for the tiny model (MoE layers 1-3, 8 experts): one busy expert per layer."""
+    counts = {1: [900, 300, 100, 50, 400, 100, 40, 110], 2: [10] * 7 + [1930], 3: [250] * 8}
+    write_expert_load(path, 1000, counts)
+    return path
+
+
+def test_plan_with_expert_load_writes_a_placement_the_deployment_uses(tmp_path, capsys):
+    cluster = {"backend": "ray", "nodes": 1, "devices_per_node": 4, "device": "cpu", "device_memory_gb": 1}
+    config = plan_file(tmp_path, model=TINY, parallel={"dp": 4}, cluster=cluster)
+    load, out = skewed_load(tmp_path / "load.json"), tmp_path / "placement.json"
+    argv = ["plan", str(config), "--expert-load", str(load), "--redundant-experts", "4"]
+    assert main([*argv, "--write-placement", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "8 routed + 4 redundant experts = 3 per EP rank; global" in printed
+    # Layer 2's expert 7 takes 1930 of 2000 rows: contiguous gives rank 3 all of them, EPLB splits it 4
+    # ways (one copy per rank), each rank then 1930/4 + 70/4 = 500 rows: perfectly even.
+    rows = {line.split()[0]: line.split()[1:3] for line in printed.splitlines() if line[:9].strip().isdigit()}
+    assert rows["2"] == ["3.88", "1.00"] and rows["3"] == ["1.00", "1.00"]
+    assert float(rows["1"][1]) < float(rows["1"][0])
+    # The same 4 ranks on 2 nodes: the tiny model's 2 expert groups go one to a node first.
+    assert main([*argv, "--set", "cluster.nodes=2", "--set", "cluster.devices_per_node=2"]) == 0
+    assert "hierarchical: 2 expert groups over 2 nodes" in capsys.readouterr().out
+
+    args = load_args(TINY)
+    written = read_placement_file(out, args, 4)
+    layer2 = written[2]
+    assert sorted(written) == [1, 2, 3] and layer2.owners[7] == (0, 1, 2, 3)
+    plain = build_plan(load_deploy_config(config))
+    placed = build_plan(load_deploy_config(config, [f"parallel.expert_placement_file={out}"]))
+    for rank in placed.ranks:
+        assert rank.layer_experts == {i: tuple(p.experts_of(rank.ep)) for i, p in written.items()}
+        # Each layer holds 3 experts instead of 2: the copies' weights count.
+        expert_part = next(p for p in rank.weight_parts if p.name == "routed experts")
+        assert expert_part.count == 3 * 3
+        one_expert = expert_part.unit_bytes(placed.dtype, placed.block)
+        assert rank.weight_bytes - plain.ranks[rank.rank].weight_bytes == 3 * one_expert
+    assert main(["plan", str(config), "--set", f"parallel.expert_placement_file={out}"]) == 0
+    assert "3/layer (file)" in capsys.readouterr().out
+    # What every rank gets: the placements in the engine spec, through the JSON it travels as.
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    shutil.copy(TINY, checkpoint / "config.json")
+    cfg = load_deploy_config(config, [f"model={checkpoint}", f"parallel.expert_placement_file={out}"])
+    spec = EngineSpec.from_json(engine_spec(cfg, build_plan(cfg)).to_json())
+    assert spec.weights.layer_expert_placement == {
+        str(i): [list(r) for r in p.owners] for i, p in written.items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "no such file"),
+        ("[1, 2]", "format is 'list', not 'moelaunch-expert-load/1'"),
+        (
+            '{"format": "moelaunch-expert-load/1", "tokens": 5, "counts": {"1": [1, 2]}}',
+            "layer 1 has 2 counts",
+        ),
+        (
+            '{"format": "moelaunch-expert-load/1", "tokens": 5, "counts": {}}',
+            "no counts for MoE layers [1, 2, 3]",
+        ),
+    ],
+)
+def test_bad_expert_load_file_is_one_clear_error(tmp_path, capsys, content, expected):
+    load = tmp_path / "load.json"
+    if content is not None:
+        load.write_text(content)
+    assert main(["plan", str(tiny(tmp_path)), "--expert-load", str(load)]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and expected in error and str(load) in error
+
+
+def test_bad_placement_file_is_refused_before_anything_loads(tmp_path):
+    load, out = skewed_load(tmp_path / "load.json"), tmp_path / "placement.json"
+    assert main(["plan", str(tiny(tmp_path)), "--expert-load", str(load), "--write-placement", str(out)]) == 0
+    placed = [f"parallel.expert_placement_file={out}"]
+    assert build_plan(load_deploy_config(tiny(tmp_path), placed)).layer_placements
+    out.write_text(out.read_text().replace('"ep": 2', '"ep": 4'))
+    with pytest.raises(
+        DeployConfigError, match="expert_placement_file: given .*written for ep=4, but .* ep = dp.tp = 2"
+    ):
+        build_plan(load_deploy_config(tiny(tmp_path), placed))
+    out.write_text(out.read_text().replace('"ep": 4', '"ep": 2'))
+    out.write_text(out.read_text().replace('"layers": {"1"', '"layers": {"0"'))
+    with pytest.raises(DeployConfigError, match="layer '0' is not a MoE layer"):
+        build_plan(load_deploy_config(tiny(tmp_path), placed))

@@ -5,7 +5,6 @@ padding rows it must leave out; and engine.eplb's refusals before the model load
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 
 import pytest
@@ -21,6 +20,7 @@ from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.launcher.serve.metrics import ServeMetrics
 from moelaunch.model.config import load_args
 from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.model.expert_load_file import read_expert_load, write_expert_load
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import MeshShape
 
@@ -60,12 +60,12 @@ def test_recorded_load_equals_offline_count(checkpoint, tmp_path):
     assert torch.equal(report.total, sum(per_step))
     assert torch.equal(report.window, sum(per_step[-WINDOW:]))  # the ring keeps the last WINDOW steps
     assert report.steps == len(per_step) and report.window_steps == WINDOW
-    file = report.file(report.total)
     routed = sum(map(len, PROMPTS)) + len(PROMPTS) * (GREEDY.max_tokens - 1)
-    assert file["tokens"] == routed
-    out = tmp_path / "load.json"
-    out.write_text(json.dumps(file))
-    assert json.loads(out.read_text())["counts"]["2"] == report.total[1].tolist()
+    assert report.tokens(report.total) == routed
+    out = tmp_path / "load.json"  # what `launch plan --expert-load` reads back
+    write_expert_load(out, report.tokens(report.total), report.by_layer(report.total))
+    read = read_expert_load(out, load_args(checkpoint))
+    assert read.tokens == routed and read.layers == (1, 2, 3) and torch.equal(read.counts, report.total)
 
 
 def test_static_decode_records_without_sync_or_padding(checkpoint, monkeypatch):

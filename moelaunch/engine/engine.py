@@ -38,7 +38,7 @@ from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
 from moelaunch.parallel.mesh import ParallelMesh
-from moelaunch.parallel.parallelize import load_shard
+from moelaunch.parallel.parallelize import load_shard, weight_placements
 from moelaunch.text.tokenizer import Tokenizer
 
 
@@ -115,11 +115,10 @@ class LLMEngine:
         if mesh.device.type == "cpu":
             return_large_frees_to_the_os()  # host RSS then follows the plan's live figures
         self.model = load_shard(weights, mesh, with_mtp=use_mtp)
-        n_experts = self.model.args.n_routed_experts
-        self._loaded_placement = (
-            ExpertPlacement.from_map(weights.expert_placement, n_experts, mesh.shape.ep)
-            if weights.expert_placement
-            else ExpertPlacement.contiguous(n_experts, mesh.shape.ep)
+        # The placements loaded: what a layer on another stage keeps (placements() reports them).
+        default, self._loaded_placements = weight_placements(weights, self.model.args, mesh.shape.ep)
+        self._loaded_placement = default or ExpertPlacement.contiguous(
+            self.model.args.n_routed_experts, mesh.shape.ep
         )
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
@@ -383,7 +382,7 @@ class LLMEngine:
         return {
             i: layers[i].dispatch.placement
             if i in layers and isinstance(layers[i].dispatch, AllToAllDispatch)
-            else self._loaded_placement
+            else self._loaded_placements.get(i, self._loaded_placement)
             for i in moe_layer_ids(self.model, self.config.speculative == "mtp")
         }
 

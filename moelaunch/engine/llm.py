@@ -70,9 +70,10 @@ def spec_from_options(model: str, options: dict[str, Any]) -> EngineSpec:
 class LLM:
     def __init__(self, model: str, **options: Any) -> None:
         """options: the parallel layout (tp, dp, pp: MeshShape), the weights (dtype, quantization,
-        expert_placement: WeightSpec), timeout_s, and any EngineConfig field (max_model_len,
-        kv_cache_memory, kv_cache_fraction, block_size, kv_cache_dtype, attention, max_num_batched_tokens,
-        max_num_seqs, enable_prefix_caching, seed, speculative, skip_tokenizer_init...)."""
+        expert_placement, layer_expert_placement: WeightSpec), timeout_s, and any EngineConfig field
+        (max_model_len, kv_cache_memory, kv_cache_fraction, block_size, kv_cache_dtype, attention,
+        max_num_batched_tokens, max_num_seqs, enable_prefix_caching, seed, speculative,
+        skip_tokenizer_init...)."""
         self._start(spec_from_options(str(model), options), {})
 
     @classmethod

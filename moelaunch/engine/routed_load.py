@@ -16,15 +16,11 @@ from moelaunch.parallel.eplb import max_over_mean, rank_loads
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.group import Group
 
-# The expert-load file (`--expert-load-out`; `launch plan --expert-load` reads it).
-LOAD_FORMAT = "moelaunch-expert-load/1"
-
 
 def moe_layer_ids(model: Transformer, with_mtp: bool) -> list[int]:
     """Every MoE layer of the whole model (not only this rank's stage), MTP layers after the decoder's."""
     args = model.args
-    n = args.num_hidden_layers + (args.num_nextn_predict_layers if with_mtp else 0)
-    return [i for i in range(n) if args.is_moe_layer(i)]
+    return [i for i in args.moe_layer_ids() if with_mtp or i < args.num_hidden_layers]
 
 
 def moe_layers(model: Transformer) -> dict[int, MoE]:
@@ -63,13 +59,9 @@ class LoadReport:
         """Tokens the first MoE layer routed (each to top_k experts); MTP layers route fewer."""
         return int(counts[0].sum()) // self.top_k
 
-    def file(self, counts: torch.Tensor) -> dict:
-        """`counts` (window or total) in the expert-load file format."""
-        return {
-            "format": LOAD_FORMAT,
-            "tokens": self.tokens(counts),
-            "counts": {str(layer): row.tolist() for layer, row in zip(self.layer_ids, counts, strict=True)},
-        }
+    def by_layer(self, counts: torch.Tensor) -> dict[int, torch.Tensor]:
+        """`counts` (window or total) by layer id: write_expert_load's (model/expert_load_file.py)."""
+        return dict(zip(self.layer_ids, counts, strict=True))
 
     def expert_imbalance(self, counts: torch.Tensor) -> dict[int, float]:
         """max/mean tokens per expert, per layer (1.0: even)."""

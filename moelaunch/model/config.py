@@ -88,6 +88,12 @@ class ModelArgs:
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id >= self.first_k_dense_replace and self.n_routed_experts > 0
 
+    def moe_layer_ids(self) -> list[int]:
+        """The MoE layers' indices, MTP layers (num_hidden_layers + k, as in the checkpoint) included."""
+        return [
+            i for i in range(self.num_hidden_layers + self.num_nextn_predict_layers) if self.is_moe_layer(i)
+        ]
+
     @property
     def fp8_block_size(self) -> tuple[int, int] | None:
         """(128, 128) for a block-FP8 checkpoint, else None."""

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from moelaunch.model.gate import Gate
+from moelaunch.model.moe import MoE
 
 
 class ExpertLoad:
@@ -18,6 +19,12 @@ class ExpertLoad:
     def __init__(self, model: nn.Module) -> None:
         self.gates = {name: m for name, m in model.named_modules() if isinstance(m, Gate)}
         self.counts = {name: torch.zeros(g.n_experts, dtype=torch.long) for name, g in self.gates.items()}
+        # Gate name -> decoder layer index (MTP layers: their checkpoint index), for the expert-load file.
+        self.layer_of = {
+            f"{name}.mlp.gate": m.layer_id
+            for name, m in model.named_modules()
+            if isinstance(getattr(m, "mlp", None), MoE)
+        }
         self.valid: torch.Tensor | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -44,6 +51,10 @@ class ExpertLoad:
     def reset(self) -> None:
         for c in self.counts.values():
             c.zero_()
+
+    def by_layer(self) -> dict[int, torch.Tensor]:
+        """counts keyed by decoder layer index (model/expert_load_file.py's keys)."""
+        return {self.layer_of[name]: c for name, c in self.counts.items()}
 
     def imbalance(self) -> dict[str, float]:
         """max/mean tokens per expert for each gate (1.0 is perfect balance)."""

@@ -34,7 +34,9 @@ class ModelShard(Protocol):
 
     def head(self, dim: int, vocab_size: int) -> Linear: ...
 
-    def expert_dispatch(self, n_experts: int) -> ExpertDispatch: ...
+    def expert_dispatch(self, n_experts: int, layer_id: int) -> ExpertDispatch:
+        """The dispatcher of decoder layer `layer_id`'s MoE (placements may differ per layer)."""
+        ...
 
     def heads_max(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum of `x` over the ranks that split the attention heads (x computed over
@@ -62,7 +64,7 @@ class WholeModel:
         # device, import torch._dynamo and sympy for nothing (~0.3 s and ~90 MB per process).
         return nn.Embedding(vocab_size, dim, _weight=torch.empty(vocab_size, dim))
 
-    def expert_dispatch(self, n_experts: int) -> ExpertDispatch:
+    def expert_dispatch(self, n_experts: int, layer_id: int) -> ExpertDispatch:
         return LocalDispatch(n_experts)
 
     def heads_max(self, x: torch.Tensor) -> torch.Tensor:

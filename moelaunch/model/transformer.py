@@ -31,7 +31,7 @@ class DecoderLayer(nn.Module):
         self.layer_id = layer_id
         self.self_attn = MLA(args, shard)
         self.mlp = (
-            MoE(args, shard.expert_dispatch(args.n_routed_experts), shard)
+            MoE(args, shard.expert_dispatch(args.n_routed_experts, layer_id), shard)
             if args.is_moe_layer(layer_id)
             else MLP(args.hidden_size, args.intermediate_size, shard)
         )

@@ -25,6 +25,9 @@ class WeightSpec:
     dtype: WeightDtype = "auto"
     quantization: str = "none"  # none | int8 | w8a8 | int4: projections quantized at load
     expert_placement: list[list[int]] | None = None  # expert -> EP ranks holding it (copies allowed)
+    # Per MoE layer, overriding expert_placement there: decoder layer index (a string: the spec travels
+    # as JSON) -> expert -> EP ranks; from parallel.expert_placement_file.
+    layer_expert_placement: dict[str, list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in WEIGHT_DTYPES:

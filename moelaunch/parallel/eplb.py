@@ -54,7 +54,11 @@ def rank_loads(load_row: torch.Tensor, placement: ExpertPlacement) -> torch.Tens
 
 def max_over_mean(load_row: torch.Tensor, placement: ExpertPlacement) -> float:
     """The busiest EP rank's tokens over the mean (1.0: perfect balance; the step waits on the busiest)."""
-    per_rank = rank_loads(load_row, placement)
+    return peak_ratio(rank_loads(load_row, placement))
+
+
+def peak_ratio(per_rank: torch.Tensor) -> float:
+    """max/mean of tokens per rank (1.0 when nothing is routed)."""
     mean = per_rank.mean().item()
     return per_rank.max().item() / mean if mean > 0 else 1.0
 

@@ -48,19 +48,13 @@ class ExpertPlacement:
     def experts_of(self, ep_rank: int) -> list[int]:
         return [e for e, ranks in enumerate(self.owners) if ep_rank in ranks]
 
-    def copy_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(owners [E, most copies], each row its ranks repeated to the width; copies per expert [E])."""
+    def destinations(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """The EP rank each (token, expert) pair goes to; copies of an expert share its pairs in turn."""
         width = max(len(r) for r in self.owners)
-        table = torch.tensor([(list(r) * width)[:width] for r in self.owners])
-        return table, torch.tensor([len(r) for r in self.owners])
-
-    def destinations(
-        self, expert_ids: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """The EP rank each (token, expert) pair goes to; copies of an expert share its pairs in turn.
-        `tables`: copy_tables() already on expert_ids' device."""
-        table, n_copies = tables or (t.to(expert_ids.device) for t in self.copy_tables())
-        turn = torch.arange(expert_ids.numel(), device=expert_ids.device) % n_copies[expert_ids]
+        device = expert_ids.device
+        table = torch.tensor([(list(r) * width)[:width] for r in self.owners], device=device)
+        n_copies = torch.tensor([len(r) for r in self.owners], device=device)
+        turn = torch.arange(expert_ids.numel(), device=device) % n_copies[expert_ids]
         return table[expert_ids, turn]
 
 
@@ -80,9 +74,8 @@ class AllToAllDispatch:
         local = torch.full((self.n_experts,), -1, dtype=torch.long, device="cpu")
         local[self.expert_ids] = torch.arange(len(self.expert_ids), device="cpu")
         self.local_index = local  # global expert id -> position among this rank's experts, or -1
-        # With copies, every rank holding one would apply it to all rows: only the copy each pair is
-        # dispatched to counts, as in the all_to_all (route_on_device).
-        self.copies = placement.copy_tables() if any(len(r) > 1 for r in placement.owners) else None
+        # route_on_device sums every rank's outputs: an expert with copies counts on its first owner only.
+        self.counted_here = torch.tensor([ranks[0] == ep.index for ranks in placement.owners], device="cpu")
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         share = -(-x.shape[0] // self.tp.size)  # rows per TP rank, the last share padded
@@ -135,19 +128,16 @@ class AllToAllDispatch:
         run: RunByOffsets,
         base: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Every row through this rank's experts, the pairs of other ranks' experts weighted 0 (and run
-        through local expert 0 so that their outputs are finite), then the sum over the group."""
+        """Every row through this rank's experts, the pairs of other ranks' experts (and of copies whose
+        first owner is another rank) weighted 0 (other ranks' run through local expert 0 so that their
+        outputs are finite), then the sum over the group."""
         if not self.routes_on_device:
             raise RuntimeError("route_on_device needs every EP rank to hold the same rows (dp=1)")
         if self.local_index.device != ids.device:
             self.local_index = self.local_index.to(ids.device)
-            if self.copies is not None:
-                self.copies = tuple(t.to(ids.device) for t in self.copies)
+            self.counted_here = self.counted_here.to(ids.device)
         local = self.local_index[ids]
-        if self.copies is None:
-            mine = local >= 0
-        else:
-            mine = (self.placement.destinations(ids.flatten(), self.copies) == self.ep.index).view(ids.shape)
+        mine = self.counted_here[ids]
         order, sorted_ids, offsets = sort_by_expert(local.clamp(min=0), len(self.expert_ids))
         y = run(x.index_select(0, order // ids.shape[1]), sorted_ids, offsets, ids.numel())
         # The shared experts' output (base) is whole on every rank: added once, on the first.

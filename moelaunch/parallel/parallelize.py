@@ -5,6 +5,8 @@ loader fills it, reading only owned slices."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -45,9 +47,16 @@ def check_layout(args: ModelArgs, shape: MeshShape) -> None:
 
 class MeshShard:
     """The part of the model that `mesh`'s rank holds; `placement`: where each routed expert lives
-    (default: contiguous blocks over the EP group)."""
+    (default: contiguous blocks over the EP group), overridden per MoE layer by `layer_placements`
+    (decoder layer index -> placement, e.g. EPLB's)."""
 
-    def __init__(self, args: ModelArgs, mesh: ParallelMesh, placement: ExpertPlacement | None = None) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        mesh: ParallelMesh,
+        placement: ExpertPlacement | None = None,
+        layer_placements: Mapping[int, ExpertPlacement] | None = None,
+    ) -> None:
         check_layout(args, mesh.shape)
         self.mesh = mesh
         self.tp_size = mesh.tp.size
@@ -57,6 +66,7 @@ class MeshShard:
         if placement is None and args.n_routed_experts:
             placement = ExpertPlacement.contiguous(args.n_routed_experts, mesh.shape.ep)
         self.placement = placement
+        self.layer_placements = dict(layer_placements or {})
 
     def holds_layer(self, layer_id: int) -> bool:
         return layer_id in self.stage_layers
@@ -85,17 +95,29 @@ class MeshShard:
     def heads_max(self, x: torch.Tensor) -> torch.Tensor:
         return self.mesh.tp.all_reduce_max(x)
 
-    def expert_dispatch(self, n_experts: int) -> ExpertDispatch:
+    def placement_of(self, layer_id: int) -> ExpertPlacement | None:
+        return self.layer_placements.get(layer_id, self.placement)
+
+    def expert_dispatch(self, n_experts: int, layer_id: int) -> ExpertDispatch:
         if self.mesh.ep.size == 1:  # every expert is here: nothing to exchange
             return LocalDispatch(n_experts)
-        return AllToAllDispatch(self.placement, self.mesh.ep, self.mesh.tp)
+        return AllToAllDispatch(self.placement_of(layer_id), self.mesh.ep, self.mesh.tp)
+
+
+def weight_placements(
+    weights: WeightSpec, args: ModelArgs, ep: int
+) -> tuple[ExpertPlacement | None, dict[int, ExpertPlacement]]:
+    """The expert placements `weights` asks for: every layer's (None: contiguous), and per layer."""
+
+    def placement(owners: list[list[int]]) -> ExpertPlacement:
+        return ExpertPlacement.from_map(owners, args.n_routed_experts, ep)
+
+    default = None if weights.expert_placement is None else placement(weights.expert_placement)
+    return default, {int(i): placement(o) for i, o in (weights.layer_expert_placement or {}).items()}
 
 
 def load_shard(weights: WeightSpec, mesh: ParallelMesh, with_mtp: bool = False) -> Transformer:
     """Load only this rank's part of a checkpoint onto the mesh's device."""
     args = load_args(weights.model)
-    owners = weights.expert_placement
-    placement = (
-        None if owners is None else ExpertPlacement.from_map(owners, args.n_routed_experts, mesh.shape.ep)
-    )
-    return load_model(weights, mesh.device, with_mtp, MeshShard(args, mesh, placement))
+    default, per_layer = weight_placements(weights, args, mesh.shape.ep)
+    return load_model(weights, mesh.device, with_mtp, MeshShard(args, mesh, default, per_layer))

@@ -3,6 +3,7 @@ builder (MeshShard) on the meta device, listed tensor by tensor with the slice T
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +31,17 @@ class ShardTensor:
 
 
 def shard_tensors(
-    args: ModelArgs, shape: MeshShape, rank: int, placement: ExpertPlacement | None
+    args: ModelArgs,
+    shape: MeshShape,
+    rank: int,
+    placement: ExpertPlacement | None,
+    layer_placements: Mapping[int, ExpertPlacement] | None = None,
 ) -> list[ShardTensor]:
     """The tensors mesh position `rank` loads (parameters and the router bias), in module order; the
     MTP layer is left out, as it is loaded only for speculative decoding."""
+    mesh = ParallelMesh.planned(shape, rank)
     with torch.device("meta"):
-        shard = Transformer(
-            args, with_mtp=False, shard=MeshShard(args, ParallelMesh.planned(shape, rank), placement)
-        )
+        shard = Transformer(args, with_mtp=False, shard=MeshShard(args, mesh, placement, layer_placements))
     modules = dict(shard.named_modules())
     tensors = []
     # The state dict is what the loader fills: no rope tables, no unset FP8 scales.

@@ -16,12 +16,21 @@ def count(text: str) -> int:
     """argparse type for a flag that counts something (ranks, tokens, requests): an integer >= 1, refused
     with the usage line before anything loads (0 or -1 would otherwise load the model, then hang or skip
     every line)."""
+    return _integer(text, least=1)
+
+
+def count_or_zero(text: str) -> int:
+    """argparse type for a count that may be 0 (extra copies, say): an integer >= 0."""
+    return _integer(text, least=0)
+
+
+def _integer(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{value}: give {least} or more")
     return value
 
 

@@ -23,6 +23,7 @@ from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.bench.tables import OURS, ratios_table, results_table
 from moelaunch.model.checkpoint import check_empty_destination
 from moelaunch.model.config import load_args
+from moelaunch.model.expert_load_file import write_expert_load
 from moelaunch.model.quantization import QUANTIZATIONS
 
 
@@ -181,7 +182,7 @@ def _print_expert_load(load: dict, out: Path | None) -> None:
     for layer, counts in load["counts"].items():
         print(f"  layer {layer}: {max(counts) / max(sum(counts) / len(counts), 1e-9):.2f}")
     if out:
-        out.write_text(json.dumps(load) + "\n")
+        write_expert_load(out, load["tokens"], {int(layer): c for layer, c in load["counts"].items()})
         print(f"written to {out}")
 
 

@@ -13,13 +13,13 @@ right. The last line is `accuracy=<fraction> n=<answers>`.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from moelaunch.launcher.commands import count
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, Answer, accuracy, ask, open_engine, tally
+from moelaunch.model.expert_load_file import write_expert_load
 from moelaunch.tasks.problem_sets import HELD_OUT_SIZE, conversations_sample, held_out_sample
 
 
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for layer, ratio in load.expert_imbalance(load.total).items():
         print(f"  layer {layer}{' (MTP)' if layer >= n_layers else ''}: {ratio:.2f}")
     if args.expert_load_out:
-        args.expert_load_out.write_text(json.dumps(load.file(load.total)) + "\n")
+        write_expert_load(args.expert_load_out, load.tokens(load.total), load.by_layer(load.total))
         print(f"expert load of {load.tokens(load.total)} tokens written to {args.expert_load_out}")
     acceptance = llm.engine.stats.spec_acceptance
     print(

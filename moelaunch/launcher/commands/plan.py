@@ -1,14 +1,18 @@
 """`launch plan [CONFIG.yaml] [--set key.path=value ...] [--json]`: print where every rank runs, its
-groups, layers, experts and memory, with the memory arithmetic spelled out; starts nothing."""
+groups, layers, experts and memory, with the memory arithmetic spelled out; starts nothing.
+`--expert-load FILE [--redundant-experts N] [--write-placement OUT.json]`: instead, EPLB's placement from
+measured expert load and the balance before and after (deploy/balance.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+from pathlib import Path
 from typing import Any
 
-from moelaunch.launcher.commands import add_deployment_arguments
+from moelaunch.launcher.commands import add_deployment_arguments, count_or_zero
+from moelaunch.launcher.deploy.balance import format_rebalance, rebalance
 from moelaunch.launcher.deploy.config import load_deploy_config
 from moelaunch.launcher.deploy.plan import (
     ACTIVATION_BUFFERS,
@@ -26,6 +30,7 @@ from moelaunch.launcher.deploy.plan import (
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, param_bytes, scale_blocks, tensor_bytes
 from moelaunch.model.quantization import is_quantizable
 from moelaunch.parallel.mesh import LayoutError
+from moelaunch.parallel.placement_file import write_placement_file
 from moelaunch.parallel.shard_tensors import ShardTensor
 
 
@@ -36,14 +41,51 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_deployment_arguments(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of tables")
+    p.add_argument(
+        "--expert-load",
+        type=Path,
+        metavar="FILE",
+        help="measured expert load (launch eval --expert-load-out): print EPLB's placement's balance",
+    )
+    p.add_argument(
+        "--redundant-experts",
+        type=count_or_zero,
+        default=0,
+        metavar="N",
+        help="with --expert-load: extra copies of the busiest experts, N a multiple of ep (default 0)",
+    )
+    p.add_argument(
+        "--write-placement",
+        type=Path,
+        metavar="OUT.json",
+        help="with --expert-load: write the placement, for parallel.expert_placement_file",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.expert_load is None and (args.write_placement or args.redundant_experts):
+        raise ValueError("--redundant-experts and --write-placement need --expert-load FILE (measured load)")
     plan = build_plan(load_deploy_config(args.config, args.overrides))
+    if args.expert_load is not None:
+        return run_rebalance(plan, args)
     print(json.dumps(plan_json(plan)) if args.json else format_plan(plan))
     if not plan.fits:
         raise LayoutError(plan.verdict())
+    return 0
+
+
+def run_rebalance(plan: LaunchPlan, args: argparse.Namespace) -> int:
+    if args.json:
+        raise ValueError(
+            "--json prints the plan; with --expert-load leave it out (--write-placement writes JSON)"
+        )
+    found = rebalance(plan, args.expert_load, args.redundant_experts)
+    print(format_rebalance(plan, found, args.expert_load))
+    if args.write_placement is not None:
+        write_placement_file(args.write_placement, found.placements, args.redundant_experts)
+        out = args.write_placement
+        print(f"wrote {out}: deploy it with parallel.expert_placement_file: {out}")
     return 0
 
 
@@ -60,6 +102,11 @@ def _summary(plan: LaunchPlan) -> str:
         if a.n_routed_experts and cfg.parallel.expert_placement is None
         else ""
     )
+    if plan.layer_placements:
+        experts += (
+            f"; {len(plan.layer_placements)} MoE layers placed by {cfg.parallel.expert_placement_file} "
+            f"({_slots(plan)} expert slots per EP rank, copies included)"
+        )
     job = ", ".join(f"{k} {v}" for k, v in cfg.job.model_dump().items() if k != "mode")
     lines = [
         f"Launch plan for {cfg.source} (nothing started)",
@@ -124,7 +171,7 @@ def _rank_table(plan: LaunchPlan) -> str:
             r.tp,
             r.ep,
             _ranges(r.layers),
-            _ranges(r.experts) or "-",
+            _experts_cell(r),
             f"{r.weight_bytes / unit:.2f}",
             f"{r.kv_cache_bytes / unit:.2f}",
             f"{r.activation_bytes / unit:.2f}",
@@ -277,12 +324,28 @@ def _rank_json(r: RankPlan, plan: LaunchPlan) -> dict[str, Any]:
         "ep": r.ep,
         "layers": list(r.layers),
         "experts": list(r.experts),
+        "layer_experts": {str(i): list(e) for i, e in r.layer_experts.items()},
         "weight_parts": [part_json(p) for p in r.weight_parts],
         "weight_bytes": r.weight_bytes,
         "kv_cache_bytes": r.kv_cache_bytes,
         "activation_bytes": r.activation_bytes,
         "total_bytes": r.total_bytes,
     }
+
+
+def _experts_cell(r: RankPlan) -> str:
+    """Its experts, or under a placement file the number it holds per MoE layer (they differ by layer)."""
+    if not r.layer_experts:
+        return _ranges(r.experts) or "-"
+    counts = sorted({len(e) for e in r.layer_experts.values()})
+    return f"{_ranges(counts)}/layer (file)"
+
+
+def _slots(plan: LaunchPlan) -> str:
+    counts = sorted(
+        {len(p.experts_of(ep)) for p in plan.layer_placements.values() for ep in range(plan.mesh.ep)}
+    )
+    return _ranges(counts)
 
 
 def _ranges(ids: tuple[int, ...] | list[int]) -> str:

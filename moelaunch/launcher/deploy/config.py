@@ -36,7 +36,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[3] / "configs" / "local.yaml"
 
 # Keys holding file paths: relative ones resolve against the YAML file's directory, or against the
 # working directory when they come from --set (where the user typed them).
-PATH_KEYS = (("model",), ("job", "input"), ("job", "output"))
+PATH_KEYS = (("model",), ("job", "input"), ("job", "output"), ("parallel", "expert_placement_file"))
 
 
 class DeployConfigError(ValueError):
@@ -55,6 +55,11 @@ class ParallelConfig(_Strict):
     ep: int | None = Field(None, ge=1, description="expert-parallel ranks; always dp*tp, given only to check")
     expert_placement: list[list[int]] | None = Field(
         None, description="owners[e] = EP ranks holding expert e (default: contiguous blocks)"
+    )
+    expert_placement_file: str | None = Field(
+        None,
+        description="a placement per MoE layer, copies included (JSON written by `launch plan --expert-load "
+        "FILE --write-placement OUT.json`); layers it leaves out keep expert_placement",
     )
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,6 +48,7 @@ from moelaunch.parallel.eplb import balanced_placements
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
 from moelaunch.parallel.parallelize import check_layout
+from moelaunch.parallel.placement_file import read_placement_file
 from moelaunch.parallel.shard_tensors import shard_tensors
 from moelaunch.parallel.stages import assign_stages
 
@@ -72,7 +73,9 @@ class RankPlan:
     tp: int
     ep: int
     layers: tuple[int, ...]
-    experts: tuple[int, ...]
+    experts: tuple[int, ...]  # under the global placement
+    # Its MoE layers' experts (copies included) where parallel.expert_placement_file places them.
+    layer_experts: dict[int, tuple[int, ...]]
     weight_parts: tuple[WeightPart, ...]
     weight_bytes: int
     kv_block_bytes: int  # one KV block over the rank's layers
@@ -101,6 +104,11 @@ class LaunchPlan:
     stages: list[list[int]]
     ranks: list[RankPlan]
     quant: IntQuant | None = None  # resolved: projections stored as int8 / int4, or None
+    placement: ExpertPlacement | None = None  # the global expert placement (None: no routed experts)
+    layer_placements: dict[int, ExpertPlacement] = field(default_factory=dict)  # from the placement file
+
+    def placement_of(self, layer_id: int) -> ExpertPlacement | None:
+        return self.layer_placements.get(layer_id, self.placement)
 
     @property
     def usable_bytes(self) -> int:
@@ -223,16 +231,29 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
         raise cfg.error(
             "job.max_tokens", max_tokens, f"< engine.max_model_len {max_model_len} (a prompt takes a token)"
         )
-    placement = (
-        _placement(cfg, args, mesh.ep) if cfg.engine.eplb is None else _eplb_placement(cfg, args, mesh)
-    )
+    placement = _placement(cfg, args, mesh.ep)
+    layer_placements = _layer_placements(cfg, args, mesh.ep)
+    if cfg.engine.eplb is not None:  # every layer planned at the expert slots a rebalance gives
+        placement, layer_placements = _eplb_placement(cfg, args, mesh), {}
     stages = assign_stages(args, mesh.pp)
     device_bytes = _device_bytes(cfg, device)
     usable = int(device_bytes * cfg.cluster.memory_fraction)
     shards: dict[tuple[int, int], tuple[WeightPart, ...]] = {}
     ranks = [
         _rank_plan(
-            cfg, args, mesh, stages, placement, shards, dtype, block, max_model_len, quant, device, usable, r
+            cfg,
+            args,
+            mesh,
+            stages,
+            (placement, layer_placements),
+            shards,
+            dtype,
+            block,
+            max_model_len,
+            quant,
+            device,
+            usable,
+            r,
         )
         for r in range(mesh.world)
     ]
@@ -241,7 +262,19 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     if quant is not None and quant.method == "int4" and args.quantization:
         _check_int4_groups(cfg, shards.values(), quant)
     return LaunchPlan(
-        cfg, args, mesh, dtype, device, block, max_model_len, device_bytes, stages, ranks, quant
+        cfg,
+        args,
+        mesh,
+        dtype,
+        device,
+        block,
+        max_model_len,
+        device_bytes,
+        stages,
+        ranks,
+        quant,
+        placement,
+        layer_placements,
     )
 
 
@@ -325,6 +358,18 @@ def _placement(cfg: DeployConfig, args: ModelArgs, ep: int) -> ExpertPlacement |
         raise cfg.error("parallel.expert_placement", given, f"one owner list per expert ({e})") from None
 
 
+def _layer_placements(cfg: DeployConfig, args: ModelArgs, ep: int) -> dict[int, ExpertPlacement]:
+    path = cfg.parallel.expert_placement_file
+    if path is None:
+        return {}
+    try:
+        return read_placement_file(Path(path), args, ep)
+    except ValueError as e:
+        raise cfg.error(
+            "parallel.expert_placement_file", path, f"a placement file for this deployment ({e})"
+        ) from None
+
+
 def _eplb_placement(cfg: DeployConfig, args: ModelArgs, mesh: MeshShape) -> ExpertPlacement:
     """Under engine.eplb every rank comes to hold (experts + redundant) / ep experts per layer: the plan
     budgets for that (a placement from an even load has those slot counts)."""
@@ -359,8 +404,8 @@ def _rank_plan(
     args: ModelArgs,
     mesh: MeshShape,
     stages: list[list[int]],
-    placement: ExpertPlacement | None,
-    shards: dict[tuple[int, int], tuple[WeightPart, ...]],
+    placements: tuple[ExpertPlacement | None, dict[int, ExpertPlacement]],
+    shards: dict[tuple[int, tuple[int, ...]], tuple[WeightPart, ...]],
     dtype: str,
     block: tuple[int, int],
     max_model_len: int,
@@ -369,15 +414,17 @@ def _rank_plan(
     usable: int,
     rank: int,
 ) -> RankPlan:
-    """`shards` caches weight parts by (stage, experts held): ranks alike in both hold the same shapes,
-    so one shard is built on the meta device for all of them."""
+    """`shards` caches weight parts by (stage, experts held per layer): ranks alike in both hold the
+    same shapes, so one shard is built on the meta device for all of them."""
     tp, dp, pp = mesh.coords(rank)
     ep = rank % mesh.ep  # position in its stage's EP group (dp-major, tp-minor)
     layers = stages[pp]
+    placement, layer_placements = placements
     experts = placement.experts_of(ep) if placement else []
-    key = (pp, len(experts))
+    layer_experts = {i: tuple(p.experts_of(ep)) for i, p in layer_placements.items() if i in layers}
+    key = (pp, tuple(len(layer_experts.get(i, experts)) for i in layers if args.is_moe_layer(i)))
     if key not in shards:
-        shards[key] = weight_parts(shard_tensors(args, mesh, rank, placement))
+        shards[key] = weight_parts(shard_tensors(args, mesh, rank, placement, layer_placements))
     parts = shards[key]
     v, e = value_bytes(dtype), cfg.engine
     weights = sum(part.nbytes(dtype, block, quant) for part in parts)
@@ -409,6 +456,7 @@ def _rank_plan(
         ep=ep,
         layers=tuple(layers),
         experts=tuple(experts),
+        layer_experts=layer_experts,
         weight_parts=parts,
         weight_bytes=weights,
         kv_block_bytes=per_block,

@@ -48,7 +48,8 @@ def engine_spec(cfg: DeployConfig, plan: LaunchPlan) -> EngineSpec:
             "model", cfg.model, "a checkpoint directory to run (a config.json only serves `plan`)"
         )
     p = cfg.parallel
-    weights = WeightSpec(str(model), cfg.dtype, cfg.quantization, p.expert_placement)
+    per_layer = {str(i): [list(r) for r in pl.owners] for i, pl in plan.layer_placements.items()}
+    weights = WeightSpec(str(model), cfg.dtype, cfg.quantization, p.expert_placement, per_layer or None)
     engine = cfg.engine.model_copy(update={"kv_cache_memory": plan.engine_kv_budget})
     return EngineSpec(weights, MeshShape(p.tp, p.dp, p.pp), engine, cfg.cluster.timeouts.collective_s)
 

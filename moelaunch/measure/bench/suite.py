@@ -121,7 +121,8 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
                         rounds.setdefault("vllm", []).append(vllm_results)
             if opts.expert_load:
                 load = llm.engine.read_expert_load()
-                systems[OURS] = {**ours, "expert_load": load.file(load.total)}
+                counts = {str(layer): c.tolist() for layer, c in load.by_layer(load.total).items()}
+                systems[OURS] = {**ours, "expert_load": {"tokens": load.tokens(load.total), "counts": counts}}
         gc.collect()  # our model and cache go before transformers loads
         if opts.compare:
             systems["transformers"], rounds["transformers"] = _run_transformers(opts, per_round, warmup)
