@@ -16,6 +16,10 @@ from moelaunch.parallel.eplb import max_over_mean, rank_loads
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.group import Group
 
+# The window for callers that read only the whole run's total (eval, bench): the engine reads the load
+# over the ranks every window steps, a host sync it should rarely pay inside a measured run.
+TOTAL_ONLY_WINDOW = 1000
+
 
 def moe_layer_ids(model: Transformer, with_mtp: bool) -> list[int]:
     """Every MoE layer of the whole model (not only this rank's stage), MTP layers after the decoder's."""

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.routed_load import TOTAL_ONLY_WINDOW
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.engine.step_ops import StepOps
@@ -119,7 +120,7 @@ def print_step_profile(
     one decode engine step per batch size: the engine as configured, then the static step (expert_load:
     with the engine recording routed load)."""
     torch.set_num_threads(threads)
-    window = 1 if expert_load else None
+    window = TOTAL_ONLY_WINDOW if expert_load else None
     with LLM(
         model, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True, expert_load_window=window
     ) as llm:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.routed_load import TOTAL_ONLY_WINDOW
 from moelaunch.measure.bench import hf_peer, ours
 from moelaunch.measure.bench.metrics import CaseRun, summarize
 from moelaunch.measure.bench.tables import OURS, Results, ratios
@@ -110,7 +111,7 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
     torch.set_num_threads(opts.threads)
     try:
         _log(f"{OURS}: loading {opts.model}")
-        recording = {"expert_load_window": 1} if opts.expert_load else {}  # the total is what is read
+        recording = {"expert_load_window": TOTAL_ONLY_WINDOW} if opts.expert_load else {}
         with LLM(opts.model, **ours, **recording, **settings) as llm:
             for r, round_cases in enumerate(per_round):
                 _log(f"round {r + 1} of {opts.rounds}")
