@@ -89,6 +89,8 @@ def test_recording_is_off_by_default(checkpoint):
         assert llm.engine.load is None
         with pytest.raises(ValueError, match="set expert_load_window"):
             llm.engine.read_expert_load()
+        with pytest.raises(ValueError, match="tp\\*dp > 1 and pp = 1, not tp=1 dp=1 pp=1"):
+            llm.engine.set_expert_placement({1: [[0]] * 8})
 
 
 def test_eplb_refused_before_the_model_loads(checkpoint, monkeypatch):

@@ -8,6 +8,7 @@ reporters (last stage, tp index 0) send their tokens and log-probabilities to ra
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -298,7 +299,10 @@ class LLMEngine:
     def _execute(self, command: StepCommand) -> list[SeqUpdate]:
         updates: list[SeqUpdate] = []
         if command.placements is not None:
-            self._place_experts({int(k): v for k, v in command.placements.items()})
+            ep, n = self.mesh.shape.ep, self.model.args.n_routed_experts
+            self._place_experts(
+                {int(k): ExpertPlacement.from_map(v, n, ep) for k, v in command.placements.items()}
+            )
         for new in command.new:
             if new.replica == self.mesh.dp_index:
                 seed = (
@@ -344,8 +348,9 @@ class LLMEngine:
             return
         window = self._read_load()
         if rebalance and window.sum() > 0:  # nothing routed in the window: keep the map
-            placements = rebalanced(eplb, self.model.args, self.mesh.shape.ep, counts.layer_ids, window)
-            self._place_experts({layer: p.owners for layer, p in placements.items()})
+            self._place_experts(
+                rebalanced(eplb, self.model.args, self.mesh.shape.ep, counts.layer_ids, window)
+            )
 
     def _read_load(self) -> torch.Tensor:
         """Every rank: the routed load summed over the ranks (rank 0 keeps it as expert_load); returns
@@ -365,12 +370,15 @@ class LLMEngine:
             )
         return window
 
-    def _place_experts(self, owners: dict[int, list[list[int]]]) -> None:
-        ep, n = self.mesh.shape.ep, self.model.args.n_routed_experts
-        apply_placements(
-            self.model, self.mesh, {i: ExpertPlacement.from_map(o, n, ep) for i, o in owners.items()}
-        )
+    def _place_experts(self, placements: dict[int, ExpertPlacement]) -> None:
+        received = apply_placements(self.model, self.mesh, placements)
         self.rebalances += 1
+        if self.mesh.rank == 0:
+            print(
+                f"moelaunch: expert placement {self.rebalances} applied to {len(placements)} MoE layers "
+                f"(rank 0 received {received / 2**20:.1f} MiB of expert weights)",
+                file=sys.stderr,
+            )
         if self.runner.static is not None:
             # The static step's graphs hold the old stacks' shapes and the dispatcher's tables: rebuilt.
             torch.compiler.reset()
@@ -389,13 +397,17 @@ class LLMEngine:
     def set_expert_placement(self, owners: dict[int, list[list[int]]]) -> None:
         """Rank 0: before the next step, move these MoE layers' experts to the EP ranks listed per expert
         ({layer id: [[ranks of expert 0], ...]}, copies allowed); a map that cannot apply raises here."""
-        layers, ep, n = set(self.placements()), self.mesh.shape.ep, self.model.args.n_routed_experts
+        shape, n = self.mesh.shape, self.model.args.n_routed_experts
+        if shape.ep == 1 or shape.pp > 1:
+            raise ValueError(
+                f"expert placements change on layouts with tp*dp > 1 and pp = 1, not tp={shape.tp} "
+                f"dp={shape.dp} pp={shape.pp}"
+            )
+        layers = set(self.placements())
         for layer, o in owners.items():
             if layer not in layers:
                 raise ValueError(f"layer {layer} is not an MoE layer of this model (those: {sorted(layers)})")
-            ExpertPlacement.from_map(o, n, ep)
-        if ep == 1:
-            raise ValueError("one EP rank holds every expert (tp*dp = 1): there is no placement to change")
+            ExpertPlacement.from_map(o, n, shape.ep)
         self._pending.placements = {str(k): [list(r) for r in v] for k, v in owners.items()}
 
     def read_expert_load(self) -> LoadReport:
