@@ -13,11 +13,12 @@ from prometheus_client import generate_latest
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.engine.config import EngineConfig, EplbConfig
-from moelaunch.engine.eplb import check_eplb
+from moelaunch.engine.eplb import check_eplb, redundant_expert_bytes
 from moelaunch.engine.routed_load import LoadReport
 from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.launcher.serve.metrics import ServeMetrics
+from moelaunch.model import load_model
 from moelaunch.model.config import load_args
 from moelaunch.model.expert_load import ExpertLoad
 from moelaunch.model.expert_load_file import read_expert_load, write_expert_load
@@ -147,3 +148,14 @@ def test_metrics_of_a_report():
     assert value("moelaunch_expert_load_window_tokens") == 6  # 12 pairs, 2 experts per token
     assert value("moelaunch_eplb_rebalances") == 2
     assert text.count("moelaunch_expert_load_imbalance{") == 2
+
+
+def test_eplb_keeps_room_for_the_redundant_copies(checkpoint):
+    """Each rank ends up with (experts + redundant) / ep experts per MoE layer: the KV budget leaves
+    room for the ones it does not hold yet."""
+    model = load_model(checkpoint)
+    args = model.args
+    per_expert = 3 * args.hidden_size * args.moe_intermediate_size * model.weight_dtype().itemsize
+    moe_layers = len(args.moe_layer_ids()) - args.num_nextn_predict_layers  # no MTP layer here
+    # One process holds all 8 experts: at ep=1 the 2 copies are 2 more in every layer.
+    assert redundant_expert_bytes(model, EplbConfig(redundant_experts=2), 1) == 2 * moe_layers * per_expert
