@@ -16,6 +16,7 @@ from moelaunch.cluster.rendezvous import RankEnv, init_distributed
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.drive import run_to_completion
 from moelaunch.engine.engine import LLMEngine
+from moelaunch.engine.routed_load import moe_layers
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
@@ -40,15 +41,37 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
     dist.all_gather_object(read, engine.model.checkpoint_bytes_read, group=mesh.world.pg)
     if mesh.rank != 0:
         engine.worker_loop()
+        gather_experts(engine)
         return
+    if "swap" in plan:  # an explicit placement, applied before the first step
+        engine.set_expert_placement({int(k): v for k, v in plan["swap"].items()})
     for r in plan["requests"]:
         params = SamplingParams(temperature=r.get("temperature", 0.0), max_tokens=r["max_new_tokens"],
                                 seed=r.get("seed", 0), ignore_eos=True, logprobs=20)  # fmt: skip
         engine.add_request(str(r["id"]), r["prompt"], params)
     done = run_to_completion(engine)
+    load = engine.read_expert_load() if engine.load is not None else None  # every rank joins the sum
     engine.shutdown()
     results = {int(k): (v.outputs[0].token_ids, v.outputs[0].logprobs) for k, v in done.items()}
-    torch.save({"results": results, "bytes_read": read}, out_dir / f"{name}.pt")
+    saved = {"results": results, "bytes_read": read, "experts": gather_experts(engine)}
+    if load is not None:
+        saved["load_tokens"] = load.tokens(load.total)
+    torch.save(saved, out_dir / f"{name}.pt")
+
+
+def gather_experts(engine: LLMEngine) -> list[dict]:
+    """Every rank's routed experts (their tensors by layer and expert id) and placements applied."""
+    mine = {
+        "rebalances": engine.rebalances,
+        "placements": {i: p.owners for i, p in engine.placements().items()},
+        "tensors": {
+            i: {int(e): expert.state_dict() for e, expert in moe.experts.items()}
+            for i, moe in moe_layers(engine.model).items()
+        },
+    }
+    every = [None] * engine.mesh.world.size
+    dist.all_gather_object(every, mine, group=engine.mesh.world.pg)
+    return every
 
 
 def main(ckpt: str, out_dir: str, plan_file: str) -> None:

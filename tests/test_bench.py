@@ -12,6 +12,8 @@ from moelaunch.launcher.cli import main
 from moelaunch.measure.bench.metrics import CaseRun, RequestTiming, summarize
 from moelaunch.measure.bench.suite import BenchOptions, build_cases
 from moelaunch.measure.random_checkpoint import SHAPES
+from moelaunch.model.config import load_args
+from moelaunch.model.expert_load_file import read_expert_load
 
 METRICS = {
     "requests", "prompt_tokens", "output_tokens", "seconds", "output_tok_s", "total_tok_s", "decode_tok_s",
@@ -58,7 +60,7 @@ def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
         "4",
     ]
     argv += ["--batch-sizes", "1,2", "--compare", "--hf-batch-size", "2", "--json", str(tmp_path / "r.json")]
-    argv += ["--rounds", "2"]
+    argv += ["--rounds", "2", "--expert-load", "--expert-load-out", str(tmp_path / "load.json")]
     # A peer that fails (a "venv" whose python has no vLLM) is reported, not fatal.
     (tmp_path / "venv" / "bin").mkdir(parents=True)
     (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)
@@ -77,6 +79,11 @@ def test_bench_runs_and_reports_every_key(bench_model, tmp_path, capsys):
     assert result["results"]["moelaunch"]["latency-b2"]["output_tokens"] == 2 * 4
     assert set(result["ratios"]["transformers"]["latency-b2"]) == {"output_tok_s", "decode_tok_s", "ttft"}
     assert "No module named 'vllm'" in result["systems"]["vllm"]["error"]
+    # The routed load over every request this engine ran (warmup and both rounds), in the JSON and the file.
+    load = result["systems"]["moelaunch"]["expert_load"]
+    written = read_expert_load(tmp_path / "load.json", load_args(bench_model))
+    assert written.tokens == load["tokens"] > 0 and list(written.layers) == [int(k) for k in load["counts"]]
+    assert "expert load over" in out
     # Two rounds each, kept in full; the table shows each metric's median (here: the mean of two).
     for system, runs in result["rounds"].items():
         assert len(runs) == 2
@@ -105,7 +112,8 @@ def test_rounds_draw_fresh_prompts():
 @pytest.mark.parametrize(
     ("args", "says"),
     [(["--input-len", "100000"], "exceed the model's"),
-     (["--vllm-venv", "/nowhere"], "--vllm-venv /nowhere: no bin/python")],
+     (["--vllm-venv", "/nowhere"], "--vllm-venv /nowhere: no bin/python"),
+     (["--expert-load-out", "x.json"], "--expert-load-out needs --expert-load")],
 )  # fmt: skip
 def test_bad_bench_options_fail_before_anything_runs(bench_model, capsys, args, says):
     assert main(["bench", "--model", str(bench_model), *args]) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
+from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.launcher import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -68,3 +69,20 @@ def test_static_decode_at_tp2_has_no_sync(checkpoint, single, monkeypatch):
         static.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
         assert outputs(llm) == single[None]
         assert runs
+
+
+def test_static_decode_rebuilt_after_a_rebalance_at_tp2(checkpoint, single, monkeypatch):
+    """EPLB at tp2 (dp 1: the experts are summed on the device): each rebalance gives the ranks 5 of the
+    10 expert slots, a new shape for the static step's stacks, which is rebuilt; it still runs without
+    a sync and gives one process's tokens."""
+    monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")
+    steps, run = [], StaticDecode.run
+    monkeypatch.setattr(StaticDecode, "run", lambda self, chunks: steps.append(id(self)) or run(self, chunks))
+    eplb = {"window": 3, "interval": 4, "redundant_experts": 2}
+    with LLM(checkpoint, tp=2, kv_cache_memory=4_000_000, block_size=4, eplb=eplb) as llm:
+        assert outputs(llm) == single[None]
+        engine = llm.engine
+        assert engine.rebalances >= 2
+        for placement in engine.placements().values():
+            assert [sum(r in o for o in placement.owners) for r in (0, 1)] == [5, 5]
+    assert len(set(steps)) > 1  # decode steps ran through more than one static step

@@ -17,6 +17,7 @@ from tiny_models import add_byte_tokenizer, make_hf_model
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import CheckpointReader, load_model
 from moelaunch.model.single_sequence import generate
+from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.eplb import balanced_placements
 
 pytestmark = pytest.mark.slow
@@ -44,6 +45,12 @@ VARIANTS_ON = {
     "pp2": ([1, 1, 2], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
 }
 BLOCK_SIZE = 4  # small blocks, so window and top-k drop whole blocks within these short sequences
+EPLB = {"window": 3, "interval": 4, "redundant_experts": 4}
+SWAP = {
+    "1": [[3], [2, 0], [1], [0], [3, 1], [2], [1], [0, 2]],
+    "2": [[0, 1, 2, 3], [3], [3], [2], [2], [1], [1], [0]],
+    "3": [[1], [0], [3], [2], [1, 2], [0], [3], [2]],
+}
 # EPLB placements from a skewed load, different in each MoE layer (1-3 of the tiny model): 4 redundant
 # copies over ep=4, hierarchical (the model's 2 expert groups on 2 nodes of 2 ranks).
 EPLB_LOAD = torch.tensor(
@@ -69,6 +76,18 @@ PLAN = {
         "placement": [[1], [0, 1], [0], [1, 0], [0], [1], [0], [1]],
     },
     "tp2xdp2-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "layer_placement": EPLB_PLACEMENT},
+    # Live expert rebalancing (engine.eplb) every 4 steps, 4 redundant copies: 3 experts per EP rank.
+    "tp2xdp2-live-eplb": {"shape": [2, 2, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
+    "dp4-live-eplb": {"shape": [1, 4, 1], "requests": REQUESTS, "engine": {"eplb": EPLB}},
+    # INT4 experts: packed weights, scales and zero points move together.
+    "dp4-live-eplb:int4+topk": {
+        "shape": [1, 4, 1],
+        "requests": REQUESTS,
+        "quantization": "int4",
+        "engine": {**VARIANTS["int4+topk"]["engine"], "eplb": EPLB},
+    },
+    # An explicit placement per MoE layer (copies, uneven counts), moved to before the first step.
+    "dp4-swap": {"shape": [1, 4, 1], "requests": REQUESTS, "swap": SWAP},
     **{
         f"{name}:{variant}": {"shape": shape, "requests": REQUESTS, **VARIANTS[variant]}
         for name, (shape, variants) in VARIANTS_ON.items()
@@ -154,3 +173,48 @@ def test_no_rank_reads_the_whole_checkpoint(name, layouts, checkpoint):
     read = layouts[name]["bytes_read"]
     assert max(read) < 0.8 * full, f"{name}: per-rank bytes read {read} vs checkpoint {full}"
     assert sum(read) >= full  # together the ranks hold every tensor (some replicated)
+
+
+def assert_experts_as_placed(ranks: list[dict], reference: dict[int, dict[str, torch.Tensor]]) -> None:
+    """Each EP rank holds exactly the experts its placement names, each with the checkpoint's tensors."""
+    for ep_rank, mine in enumerate(ranks):
+        for layer, owners in mine["placements"].items():
+            held = mine["tensors"][layer]
+            assert sorted(held) == [e for e, ranks in enumerate(owners) if ep_rank in ranks]
+            for e, tensors in held.items():
+                expected = reference[f"model.layers.{layer}.mlp.experts.{e}."]
+                assert tensors.keys() == expected.keys()
+                assert all(torch.equal(tensors[k], expected[k]) for k in tensors), (layer, e)
+
+
+def checkpoint_experts(checkpoint, quantization: str = "none") -> dict[str, dict[str, torch.Tensor]]:
+    """The one-process model's routed experts' tensors, by module prefix."""
+    model = load_model(WeightSpec(str(checkpoint), quantization=quantization))
+    return {
+        f"{name}.": module.state_dict()
+        for name, module in model.named_modules()
+        if ".mlp.experts." in name and name.count(".") == 5
+    }
+
+
+@pytest.mark.parametrize("name", ["tp2xdp2-live-eplb", "dp4-live-eplb", "dp4-live-eplb:int4+topk"])
+def test_live_rebalance_moves_experts(name, layouts, checkpoint):
+    """The rebalances ran (their tokens match one process above), each left every rank 3 of the 12
+    expert slots, and the tensors of every copy (integer weights with their scales and zero points
+    too) are where the map says."""
+    ranks = layouts[name]["experts"]
+    assert all(r["rebalances"] >= 3 for r in ranks)  # every 4 of the ~20 steps
+    for layer, owners in ranks[0]["placements"].items():
+        slots = [sum(r in o for o in owners) for r in range(4)]
+        assert slots == [3, 3, 3, 3], (layer, owners)
+        assert all(r["placements"][layer] == owners for r in ranks)  # every rank computed the same map
+    assert_experts_as_placed(ranks, checkpoint_experts(checkpoint, PLAN[name].get("quantization", "none")))
+    # The record summed over the ranks counts each token once (every TP share, every DP replica).
+    fed = sum(len(r["prompt"]) + r["max_new_tokens"] - 1 for r in REQUESTS)
+    assert layouts[name]["load_tokens"] == fed
+
+
+def test_explicit_placement_lands(layouts, checkpoint):
+    ranks = layouts["dp4-swap"]["experts"]
+    assert ranks[0]["placements"] == {int(k): tuple(map(tuple, v)) for k, v in SWAP.items()}
+    assert_experts_as_placed(ranks, checkpoint_experts(checkpoint))

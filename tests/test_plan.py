@@ -244,6 +244,14 @@ def test_redundant_expert_copies_show_in_experts_per_rank(tmp_path):
     assert plan.max_model_len == 1024  # not given: the model's max_position_embeddings (1024), at most 8192
 
 
+def test_eplb_plans_the_redundant_copies_and_refuses_what_cannot_split(tmp_path):
+    eplb = "engine.eplb={window: 10, interval: 20, redundant_experts: 2}"
+    plan = build_plan(load_deploy_config(tiny(tmp_path), [eplb]))
+    assert [len(r.experts) for r in plan.ranks] == [5, 5]  # (8 + 2) / ep 2, once rebalanced
+    with pytest.raises(DeployConfigError, match=r"engine.eplb: given .*do not split over ep=2"):
+        build_plan(load_deploy_config(tiny(tmp_path), ["engine.eplb={redundant_experts: 3}"]))
+
+
 def test_json_output(tmp_path, capsys):
     assert main(["plan", str(EXAMPLE), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

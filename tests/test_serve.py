@@ -45,7 +45,7 @@ def server(checkpoint, tmp_path_factory):
     config.write_text(
         f"model: {checkpoint}\n"
         "parallel: {tp: 2}\n"
-        "engine: {max_num_seqs: 4, max_model_len: 256}\n"
+        "engine: {max_num_seqs: 4, max_model_len: 256, expert_load_window: 4}\n"
         "cluster: {backend: local, devices_per_node: 2, device: cpu, timeouts: {collective_s: %d}}\n"
         "server: {port: %d, api_key: %s, served_model_name: %s, max_queue: 3, max_body_bytes: 20000,"
         " log_interval_s: 1, strict: true, stall_timeout_s: %d}\n" % (COLLECTIVE_S, port, KEY, MODEL, STALL_S)
@@ -90,6 +90,20 @@ def test_concurrent_greedy_answers_equal_the_offline_api(client, offline):
         assert list(pool.map(chat, PROMPTS)) == chat_expected
     reply = client.completions.create(model=MODEL, prompt=PROMPTS[:3], temperature=0, max_tokens=8)
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == text_expected[:3]
+
+
+def test_metrics_show_the_routed_load(client, server):
+    """engine.expert_load_window: the load over the last 4 steps, summed over both ranks, per layer and
+    per EP rank (layer 1 is the tiny model's one MoE layer)."""
+    client.completions.create(model=MODEL, prompt="count the experts", max_tokens=12, temperature=0)
+    deadline = time.monotonic() + 20
+    while not metric(server, "moelaunch_expert_load_window_tokens"):  # read every 4 steps, sent every second
+        assert time.monotonic() < deadline, "the routed load never reached /metrics"
+        time.sleep(0.5)
+    text = httpx.get(f"{server['url']}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert re.search(r'^moelaunch_expert_load_imbalance\{layer="1"\} [1-9]', text, re.M)
+    rows = dict(re.findall(r'^moelaunch_ep_rank_routed_rows\{ep_rank="(\d)"\} (\S+)$', text, re.M))
+    assert set(rows) == {"0", "1"} and sum(map(float, rows.values())) > 0
 
 
 def test_streaming_with_usage_gives_the_whole_answer(client, offline):

@@ -107,8 +107,17 @@ def test_eval_command_without_mtp_weights(tmp_path, capsys):
     save_file(
         {k: v for k, v in tensors.items() if not k.startswith(mtp_prefix)}, tmp_path / "model.safetensors"
     )
-    assert cli_main(["eval", "--model", str(tmp_path), "--n", "8", "--multi-turn"]) == 0
+    load_file_out = tmp_path / "load.json"
+    argv = ["eval", "--model", str(tmp_path), "--n", "8", "--multi-turn"]
+    assert cli_main([*argv, "--expert-load-out", str(load_file_out)]) == 0
     out = capsys.readouterr().out
+    load = json.loads(load_file_out.read_text())
+    args = json.loads((CKPT / "config.json").read_text())
+    assert load["format"] == "moelaunch-expert-load/1" and load["tokens"] > 0
+    moe_layers = [str(i) for i in range(args["first_k_dense_replace"], args["num_hidden_layers"])]
+    assert list(load["counts"]) == moe_layers  # no MTP layer in this checkpoint
+    assert all(sum(c) == load["tokens"] * args["num_experts_per_tok"] for c in load["counts"].values())
+    assert re.search(r"^  layer \d+: \d\.\d\d$", out, re.MULTILINE)
     assert "MTP draft acceptance: n/a" in out and "per turn:" in out and "per form:" in out
     assert re.search(r"^  2 +\d+/\d+", out, re.MULTILINE)  # turn 2 has a row
     assert re.fullmatch(r"accuracy=[01]\.\d{4} n=(\d+)", out.strip().splitlines()[-1])

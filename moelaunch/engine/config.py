@@ -43,6 +43,21 @@ class AttentionConfig(BaseModel):
         return SparseAttention(self.window, self.topk_blocks)
 
 
+class EplbConfig(BaseModel):
+    """Expert load balancing from measured load: every `interval` steps the engine places the routed
+    experts anew from the tokens routed over the last `window` steps (DeepSeek's EPLB), with
+    `redundant_experts` extra copies of the busiest ones, and moves their weights between the EP ranks
+    without a restart."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    window: int = Field(1000, ge=1, description="steps of routed load the placement is computed from")
+    interval: int = Field(3000, ge=1, description="steps between two placements")
+    redundant_experts: int = Field(
+        0, ge=0, description="extra expert copies over the EP group; n_routed_experts + this divisible by ep"
+    )
+
+
 class EngineConfig(BaseModel):
     # strict: "8" for an int is a mistake to report, not something to coerce.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
@@ -102,6 +117,31 @@ class EngineConfig(BaseModel):
         description="decode batch buckets (each >= 1); default 1, 2, 4, 8, then steps of 8 up to "
         "max_num_seqs. Larger decode batches run eager",
     )
+
+    expert_load_window: int | None = Field(
+        None,
+        ge=1,
+        description="record tokens routed to each expert over the last N steps (on the device, read "
+        "every N steps: /metrics, launch eval and bench); default off, or eplb.window when eplb is on",
+    )
+    eplb: EplbConfig | None = Field(
+        None, description="rebalance the routed experts over the EP ranks from measured load"
+    )
+
+    @property
+    def load_window(self) -> int | None:
+        """Steps of routed load the engine records; None: it records none."""
+        return self.eplb.window if self.eplb is not None else self.expert_load_window
+
+    @model_validator(mode="after")
+    def _one_window(self) -> EngineConfig:
+        eplb, window = self.eplb, self.expert_load_window
+        if eplb is not None and window is not None and window != eplb.window:
+            raise ValueError(
+                f"expert_load_window={window} but eplb.window={eplb.window}: the engine records one "
+                "window; set one of them, or both alike"
+            )
+        return self
 
     @model_validator(mode="after")
     def _graph_sizes(self) -> EngineConfig:

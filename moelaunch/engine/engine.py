@@ -8,6 +8,7 @@ reporters (last stage, tp index 0) send their tokens and log-probabilities to ra
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -15,6 +16,7 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
+from moelaunch.engine.eplb import apply_placements, check_eplb, rebalanced, redundant_expert_bytes
 from moelaunch.engine.kv_handoff import CacheEndpoint, KVHandoff
 from moelaunch.engine.kv_peer import KVPeer
 from moelaunch.engine.kv_transport import KVTransferError
@@ -29,16 +31,19 @@ from moelaunch.engine.outputs import (
     RequestOutput,
     non_finite_logits_error,
 )
+from moelaunch.engine.routed_load import LoadRecorder, LoadReport, moe_layer_ids, moe_layers
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.engine.sequence import Sequence
 from moelaunch.engine.static_decode import build_static_decode
 from moelaunch.engine.stats import EngineStats
 from moelaunch.engine.step_protocol import broadcast_json, gather_json
+from moelaunch.model.config import load_args
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.weight_spec import WeightSpec
+from moelaunch.parallel.expert_parallel import AllToAllDispatch, ExpertPlacement
 from moelaunch.parallel.mesh import ParallelMesh
-from moelaunch.parallel.parallelize import load_shard
+from moelaunch.parallel.parallelize import load_shard, weight_placements
 from moelaunch.text.tokenizer import Tokenizer
 
 
@@ -60,12 +65,24 @@ class StepCommand:
     kv_releases: list[str] = field(default_factory=list)  # handed-off prompts the decode side has read
     kv_connect: list[dict] = field(default_factory=list)  # CacheEndpoints of prefill ranks to connect to
     stop: bool = False
-    keepalive: bool = False  # nothing to do: only resets the peers' collective timeout
+    keepalive: bool = False  # no step: only resets the peers' collective timeout (and reads the load)
+    read_load: bool = False  # after the step (or instead, with keepalive), sum the routed load for rank 0
+    # Before the step, move these MoE layers' experts: {layer id: owner ranks per expert}.
+    placements: dict[str, list[list[int]]] | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCommand:
         new = [NewSequence(**{**n, "params": SamplingParams(**n["params"])}) for n in d["new"]]
-        return cls(new, d["aborts"], d["kv_releases"], d["kv_connect"], d["stop"], d["keepalive"])
+        return cls(
+            new,
+            d["aborts"],
+            d["kv_releases"],
+            d["kv_connect"],
+            d["stop"],
+            d["keepalive"],
+            d["read_load"],
+            d["placements"],
+        )
 
     def to_dict(self) -> dict:
         return {**vars(self), "new": [{**vars(n), "params": n.params.model_dump()} for n in self.new]}
@@ -117,9 +134,16 @@ class LLMEngine:
         use_mtp = self.config.speculative == "mtp"
         if use_mtp and mesh.shape.pp > 1:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
+        if self.config.eplb is not None:
+            check_eplb(self.config.eplb, load_args(weights.model), mesh.shape)
         if mesh.device.type == "cpu":
             return_large_frees_to_the_os()  # host RSS then follows the plan's live figures
         self.model = load_shard(weights, mesh, with_mtp=use_mtp)
+        # The placements loaded: what a layer on another stage keeps (placements() reports them).
+        default, self._loaded_placements = weight_placements(weights, self.model.args, mesh.shape.ep)
+        self._loaded_placement = default or ExpertPlacement.contiguous(
+            self.model.args.n_routed_experts, mesh.shape.ep
+        )
         self.model.stack_experts()
         if use_mtp and not len(self.model.mtp):
             raise ValueError(
@@ -137,13 +161,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.blocks)
         # Without a tokenizer, the end of a sequence is config.json's eos_token_id.
         self.eos_id = self.tokenizer.eos_id if self.tokenizer else self.model.args.eos_token_id
+        window = self.config.load_window  # recording first: the static step is built for it
+        self.load = LoadRecorder(self.model, use_mtp, window, mesh.device) if window else None
         micro = self.config.micro_batches or mesh.shape.pp
-        static = build_static_decode(
-            self.config, self.model, self.cache, mesh.device, mesh.shape.pp == 1, self.max_model_len, use_mtp
-        )
         self.runner = ModelRunner(
-            self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer, static
+            self.model, mesh, self.cache, micro, self.eos_id, use_mtp, self.tokenizer, self._static_decode()
         )
+        self.expert_load: LoadReport | None = None  # rank 0: the last routed load read (every window steps)
+        self.rebalances = 0  # expert placements applied since the start (eplb or set_expert_placement)
         # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
         self.drafted = self.accepted = 0
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
@@ -156,6 +181,17 @@ class LLMEngine:
         self._replica_load = [0] * mesh.shape.dp
         self._handed_off: dict[str, float] = {}  # rank 0, prefill role: request -> when handed off
 
+    def _static_decode(self):
+        return build_static_decode(
+            self.config,
+            self.model,
+            self.cache,
+            self.mesh.device,
+            self.mesh.shape.pp == 1,
+            self.max_model_len,
+            self.config.speculative == "mtp",
+        )
+
     # ---- cache sizing: every rank must end up with the same number of blocks ----
     def _allocate_cache(self) -> PagedLatentCache:
         cfg, model = self.config, self.model
@@ -165,7 +201,9 @@ class LLMEngine:
             model.args, len(model.layer_ids()), cfg.block_size, model.weight_dtype(), fp8, sparse
         )
         fraction = cfg.kv_cache_fraction or default_kv_cache_fraction(self.mesh.device.type)
-        budget = cfg.kv_cache_memory or int(available_bytes(self.mesh.device) * fraction)
+        # Room kept for the expert copies a rebalance will bring (engine.eplb's redundant experts).
+        later = redundant_expert_bytes(model, cfg.eplb, self.mesh.shape.ep) if cfg.eplb else 0
+        budget = cfg.kv_cache_memory or int((available_bytes(self.mesh.device) - later) * fraction)
         # More blocks than every sequence at full length could use are never touched.
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = torch.tensor([min(num_blocks_for(budget, per_block), cfg.max_num_seqs * per_seq)])
@@ -296,6 +334,9 @@ class LLMEngine:
         """One engine step on every rank; returns the requests that progressed (rank 0)."""
         self._expire_handoffs()
         command, self._pending = self._pending, StepCommand()
+        # Rank 0 reads the routed load every window steps, so /metrics is at most a window old.
+        load = self.load
+        command.read_load |= load is not None and (load.counts.steps + 1) % load.counts.window == 0
         self._broadcast(command)
         updates = self._execute(command)
         return self._apply(updates)
@@ -319,6 +360,8 @@ class LLMEngine:
                 return
             if not command.keepalive:
                 self._execute(command)
+            elif command.read_load:
+                self._read_load()
 
     def _broadcast(self, command: StepCommand | None) -> StepCommand:
         mesh = self.mesh
@@ -331,6 +374,11 @@ class LLMEngine:
     # ---- every rank ----
     def _execute(self, command: StepCommand) -> list[SeqUpdate]:
         updates: list[SeqUpdate] = []
+        if command.placements is not None:
+            ep, n = self.mesh.shape.ep, self.model.args.n_routed_experts
+            self._place_experts(
+                {int(k): ExpertPlacement.from_map(v, n, ep) for k, v in command.placements.items()}
+            )
         for new in command.new:
             if new.replica == self.mesh.dp_index:
                 seed = (
@@ -374,7 +422,90 @@ class LLMEngine:
             updates.extend(seq_updates)
             if seq_updates[-1].finish_reason:
                 seq_updates[-1].kv_blocks = self._finish(chunk.seq, seq_updates[-1].finish_reason)
+        if self.load is not None:
+            self._after_step(command.read_load)
         return self._gather(updates)
+
+    # ---- routed load and expert placement (every rank, at the same step) ----
+    def _after_step(self, read: bool) -> None:
+        counts = self.load.counts
+        counts.end_step()
+        eplb = self.config.eplb
+        rebalance = eplb is not None and counts.steps % eplb.interval == 0
+        if not (read or rebalance):
+            return
+        window = self._read_load()
+        if rebalance and window.sum() > 0:  # nothing routed in the window: keep the map
+            self._place_experts(
+                rebalanced(eplb, self.model.args, self.mesh.shape.ep, counts.layer_ids, window)
+            )
+
+    def _read_load(self) -> torch.Tensor:
+        """Every rank: the routed load summed over the ranks (rank 0 keeps it as expert_load); returns
+        the window's counts."""
+        counts = self.load.counts
+        window, total = self.load.summed(self.mesh.world)
+        if self.mesh.rank == 0:
+            self.expert_load = LoadReport(
+                counts.layer_ids,
+                window,
+                total,
+                counts.steps,
+                min(counts.steps, counts.window),
+                self.model.args.num_experts_per_tok,
+                self.placements(),
+                self.rebalances,
+            )
+        return window
+
+    def _place_experts(self, placements: dict[int, ExpertPlacement]) -> None:
+        received = apply_placements(self.model, self.mesh, placements)
+        self.rebalances += 1
+        if self.mesh.rank == 0:
+            print(
+                f"moelaunch: expert placement {self.rebalances} applied to {len(placements)} MoE layers "
+                f"(rank 0 received {received / 2**20:.1f} MiB of expert weights)",
+                file=sys.stderr,
+            )
+        if self.runner.static is not None:
+            # The static step's graphs hold the old stacks' shapes and the dispatcher's tables: rebuilt.
+            torch.compiler.reset()
+            self.runner.static = self._static_decode()
+
+    def placements(self) -> dict[int, ExpertPlacement]:
+        """Each MoE layer's expert placement (a layer on another stage: the placement it loaded with)."""
+        layers = moe_layers(self.model)
+        return {
+            i: layers[i].dispatch.placement
+            if i in layers and isinstance(layers[i].dispatch, AllToAllDispatch)
+            else self._loaded_placements.get(i, self._loaded_placement)
+            for i in moe_layer_ids(self.model, self.config.speculative == "mtp")
+        }
+
+    def set_expert_placement(self, owners: dict[int, list[list[int]]]) -> None:
+        """Rank 0: before the next step, move these MoE layers' experts to the EP ranks listed per expert
+        ({layer id: [[ranks of expert 0], ...]}, copies allowed); a map that cannot apply raises here."""
+        shape, n = self.mesh.shape, self.model.args.n_routed_experts
+        if shape.ep == 1 or shape.pp > 1:
+            raise ValueError(
+                f"expert placements change on layouts with tp*dp > 1 and pp = 1, not tp={shape.tp} "
+                f"dp={shape.dp} pp={shape.pp}"
+            )
+        layers = set(self.placements())
+        for layer, o in owners.items():
+            if layer not in layers:
+                raise ValueError(f"layer {layer} is not an MoE layer of this model (those: {sorted(layers)})")
+            ExpertPlacement.from_map(o, n, shape.ep)
+        self._pending.placements = {str(k): [list(r) for r in v] for k, v in owners.items()}
+
+    def read_expert_load(self) -> LoadReport:
+        """Rank 0: the routed load now, summed over the ranks (between steps: no step runs)."""
+        if self.load is None:
+            raise ValueError("the engine records no routed load: set expert_load_window (or eplb)")
+        if self.mesh.world.size > 1:
+            self._broadcast(StepCommand(keepalive=True, read_load=True))
+        self._read_load()
+        return self.expert_load
 
     def _read_prefilled(self) -> dict[int, str]:
         """Decode role: read the latents of the prefilled prompts just admitted. The ranks of a replica

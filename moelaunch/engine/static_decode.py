@@ -73,6 +73,8 @@ class StaticDecode:
     ) -> None:
         self.model = model
         self.cache = cache
+        # Routed load is counted (engine/routed_load.py): the step tells padding rows apart for it.
+        self.mark_padding = any(m.counted is not None for m in model.modules() if isinstance(m, MoE))
         self.device = device
         self.buckets = sorted(sizes) if sizes else decode_buckets(max_num_seqs)
         self.width = -(-max_model_len // cache.block_size)  # block table columns
@@ -142,7 +144,7 @@ class StaticDecode:
         bucket = buf.shape[0] // (FIELDS + self.width)
         ids, positions, slots, seq_lens = buf[: FIELDS * bucket].view(FIELDS, bucket)
         tables = buf[FIELDS * bucket :].view(bucket, self.width)
-        layout = BatchLayout.static_decode(positions, self.cache, tables, slots, seq_lens)
+        layout = BatchLayout.static_decode(positions, self.cache, tables, slots, seq_lens, self.mark_padding)
         model = self.model
         return model.head(model.final_norm(model.run_layers(model.embed(ids), layout)))
 

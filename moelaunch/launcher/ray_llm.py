@@ -60,6 +60,10 @@ class EngineProxy:
     def stats(self):
         return self._group.call("stats")
 
+    @property
+    def expert_load(self):
+        return self._group.call("expert_load")
+
 
 class RayLLM:
     def __init__(self, cfg: DeployConfig, spec: EngineSpec) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.routed_load import TOTAL_ONLY_WINDOW
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.config import load_args
@@ -40,10 +41,16 @@ class Answer:
         return is_correct(self.problem, self.output)
 
 
-def open_engine(model: str | Path) -> LLM:
-    """The engine on `model`, drafting with its MTP layer when the checkpoint has one."""
+def open_engine(model: str | Path, record_load: bool = False) -> LLM:
+    """The engine on `model`, drafting with its MTP layer when the checkpoint has one; record_load: it
+    records routed load (the whole run's total is what is read)."""
     mtp = has_mtp_weights(load_args(model), CheckpointReader(model))
-    return LLM(model=str(model), speculative="mtp" if mtp else None, kv_cache_memory=KV_CACHE_BYTES)
+    return LLM(
+        model=str(model),
+        speculative="mtp" if mtp else None,
+        kv_cache_memory=KV_CACHE_BYTES,
+        expert_load_window=TOTAL_ONLY_WINDOW if record_load else None,
+    )
 
 
 def ask(llm: LLM, conversations: Sequence[Conversation]) -> list[Answer]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.routed_load import TOTAL_ONLY_WINDOW
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.engine.step_ops import StepOps
@@ -112,11 +113,17 @@ def decode_step_ops(llm: LLM, batch: int) -> tuple[StepOps, StepOps]:
     return configured, static
 
 
-def print_step_profile(model: str, batch_sizes: tuple[int, ...], threads: int) -> None:
+def print_step_profile(
+    model: str, batch_sizes: tuple[int, ...], threads: int, expert_load: bool = False
+) -> None:
     """Device ops (aten ops and custom-op calls; views and bare allocations left out) and host syncs of
-    one decode engine step per batch size: the engine as configured, then the static step."""
+    one decode engine step per batch size: the engine as configured, then the static step (expert_load:
+    with the engine recording routed load)."""
     torch.set_num_threads(threads)
-    with LLM(model, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True) as llm:
+    window = TOTAL_ONLY_WINDOW if expert_load else None
+    with LLM(
+        model, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True, expert_load_window=window
+    ) as llm:
         layers = len(llm.engine.model.layer_ids())
         print(
             f"ops per decode engine step ({layers} layers; syncs: ops that read values back or give "

@@ -54,6 +54,7 @@ class BatchLayout:
     block_tables: torch.Tensor | None = None  # [len(spans), max_blocks] block ids per span
     slots: torch.Tensor | None = None  # [N] flat cache slot of every token
     static: bool = False  # a static decode step: device values only, shapes fixed by the batch bucket
+    valid_rows: torch.Tensor | None = None  # [N] bool: a static step's rows that are not bucket padding
 
     @property
     def n_tokens(self) -> int:
@@ -122,13 +123,17 @@ class BatchLayout:
         block_tables: torch.Tensor,
         slots: torch.Tensor,
         seq_lens: torch.Tensor,
+        mark_padding: bool = False,
     ) -> BatchLayout:
         """A decode-only batch of one token per row whose positions, tables, slots and lengths are
         device tensors nothing reads back: the static decode step. Its spans give row offsets only
-        (start_pos is not known on the host); every layer takes the decode rows as they are."""
+        (start_pos is not known on the host); every layer takes the decode rows as they are.
+        mark_padding: set valid_rows (for the routed-load count, which must leave padding out)."""
         n = positions.shape[0]
         spans = [SeqSpan(i, 1, 0) for i in range(n)]
-        layout = cls(spans, positions, cache, block_tables, slots, static=True)
+        # Padding rows write to the scratch block, which no sequence owns.
+        valid = slots // cache.block_size != cache.scratch_block if mark_padding else None
+        layout = cls(spans, positions, cache, block_tables, slots, static=True, valid_rows=valid)
         rows = torch.arange(n, device=positions.device)
         layout.decode_rows = DecodeRows(list(range(n)), rows, seq_lens, block_tables, every_row=True)
         return layout

@@ -14,6 +14,7 @@ from moelaunch.model.expert_dispatch import ExpertDispatch, LocalDispatch
 from moelaunch.model.expert_stack import ExpertStack
 from moelaunch.model.gate import Gate
 from moelaunch.model.mlp import MLP
+from moelaunch.model.routed_counts import RoutedCounts
 from moelaunch.model.sharding import WHOLE, ModelShard
 
 # Rows per expert up to which the stacked experts run together (the CPU grouped-linear kernel, or one
@@ -45,19 +46,32 @@ class MoE(nn.Module):
             if args.n_shared_experts
             else None
         )
+        # Set by the engine when it records routed load: the counts, and this layer's id in them.
+        self.counted: tuple[RoutedCounts, int] | None = None
 
-    def forward(self, x: torch.Tensor, static: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, static: bool = False, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """static: route on the device only (no host sync, shapes fixed by x's), as the static decode
-        step needs; eager steps take that path too wherever it is the one they would take anyway."""
+        step needs; eager steps take that path too wherever it is the one they would take anyway.
+        valid [rows] bool: the rows that are not padding (counted routed load leaves padding out)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if static or self._small_batch_on_device(x):
             weights, ids = self.gate(x)
+            if self.counted is not None:  # every rank routed all rows: each counts its dispatch share
+                self._count(self.dispatch.rows(ids), None if valid is None else self.dispatch.rows(valid))
             return self.run_on_device(x, weights, ids, shared).view(shape)
         mine = self.dispatch.rows(x)
         weights, ids = self.gate(mine)
+        if self.counted is not None:
+            self._count(ids, None if valid is None else self.dispatch.rows(valid))
         return self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0]).view(shape)
+
+    def _count(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
+        counts, layer_id = self.counted
+        counts.add(layer_id, ids, valid)
 
     @property
     def routes_on_device(self) -> bool:

@@ -50,7 +50,9 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, layout, self.layer_id, impl)
         h = self.post_attention_layernorm(x)
         # A static step routes MoE rows on the device (no counts read back).
-        return x + (self.mlp(h, static=True) if layout.static and isinstance(self.mlp, MoE) else self.mlp(h))
+        if layout.static and isinstance(self.mlp, MoE):
+            return x + self.mlp(h, static=True, valid=layout.valid_rows)
+        return x + self.mlp(h)
 
 
 class SharedHead(nn.Module):

@@ -104,13 +104,20 @@ class MeshShard:
         return AllToAllDispatch(self.placement_of(layer_id), self.mesh.ep, self.mesh.tp)
 
 
+def weight_placements(
+    weights: WeightSpec, args: ModelArgs, ep: int
+) -> tuple[ExpertPlacement | None, dict[int, ExpertPlacement]]:
+    """The expert placements `weights` asks for: every layer's (None: contiguous), and per layer."""
+
+    def placement(owners: list[list[int]]) -> ExpertPlacement:
+        return ExpertPlacement.from_map(owners, args.n_routed_experts, ep)
+
+    default = None if weights.expert_placement is None else placement(weights.expert_placement)
+    return default, {int(i): placement(o) for i, o in (weights.layer_expert_placement or {}).items()}
+
+
 def load_shard(weights: WeightSpec, mesh: ParallelMesh, with_mtp: bool = False) -> Transformer:
     """Load only this rank's part of a checkpoint onto the mesh's device."""
     args = load_args(weights.model)
-
-    def placement(owners: list[list[int]]) -> ExpertPlacement:
-        return ExpertPlacement.from_map(owners, args.n_routed_experts, mesh.shape.ep)
-
-    default = None if weights.expert_placement is None else placement(weights.expert_placement)
-    per_layer = {int(i): placement(o) for i, o in (weights.layer_expert_placement or {}).items()}
+    default, per_layer = weight_placements(weights, args, mesh.shape.ep)
     return load_model(weights, mesh.device, with_mtp, MeshShard(args, mesh, default, per_layer))

@@ -20,9 +20,10 @@ import httpx
 
 from moelaunch.launcher.commands import count, fraction, rate, sampling_value
 from moelaunch.launcher.jobs.output_path import check_writable
-from moelaunch.measure.bench.tables import ratios_table, results_table
+from moelaunch.measure.bench.tables import OURS, ratios_table, results_table
 from moelaunch.model.checkpoint import check_empty_destination
 from moelaunch.model.config import load_args
+from moelaunch.model.expert_load_file import write_expert_load
 from moelaunch.model.quantization import QUANTIZATIONS
 
 
@@ -86,6 +87,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=["auto", "on", "off"],
         default="auto",
         help="engine.compile for this engine: torch.compile the static decode step",
+    )
+    p.add_argument(
+        "--expert-load",
+        action="store_true",
+        help="this engine records the tokens routed to each expert (warmup and every round): printed as "
+        "max/mean per MoE layer, in the JSON result; with --step-profile, the recording step is counted",
+    )
+    p.add_argument(
+        "--expert-load-out",
+        type=Path,
+        metavar="FILE",
+        help="with --expert-load: also write those counts to FILE (moelaunch-expert-load/1)",
     )
     p.add_argument(
         "--step-profile",
@@ -156,6 +169,21 @@ def check_bench_args(args: argparse.Namespace) -> None:
         )
     if args.json:
         check_writable(args.json, "--json")
+    if args.expert_load_out:
+        if not args.expert_load:
+            raise ValueError(
+                "--expert-load-out needs --expert-load (the engine records the counts it writes)"
+            )
+        check_writable(args.expert_load_out, "--expert-load-out")
+
+
+def _print_expert_load(load: dict, out: Path | None) -> None:
+    print(f"\nexpert load over {load['tokens']} tokens, max/mean tokens per expert (1.00 is even):")
+    for layer, counts in load["counts"].items():
+        print(f"  layer {layer}: {max(counts) / max(sum(counts) / len(counts), 1e-9):.2f}")
+    if out:
+        write_expert_load(out, load["tokens"], {int(layer): c for layer, c in load["counts"].items()})
+        print(f"written to {out}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step_profile:
         from moelaunch.measure.step_trace import print_step_profile
 
-        print_step_profile(args.model, args.batch_sizes, args.threads)
+        print_step_profile(args.model, args.batch_sizes, args.threads, args.expert_load)
         return 0
     check_bench_args(args)
     from moelaunch.measure.bench.suite import BenchOptions, run_suite
@@ -199,9 +227,12 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
+        expert_load=args.expert_load,
     )
     result = run_suite(opts)
     print(results_table(result["results"]))
+    if args.expert_load:
+        _print_expert_load(result["systems"][OURS]["expert_load"], args.expert_load_out)
     if result["ratios"]:
         print()
         print(ratios_table(result["ratios"]))

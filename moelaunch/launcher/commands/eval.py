@@ -4,19 +4,22 @@ The held-out problems go through the engine, the path of `launch` and the API (g
 decoding when the checkpoint has an MTP layer), all in one batch per turn. Reports exact match per skill,
 per form and per turn position (`--multi-turn`: conversations of 2-6 turns, each turn asked after the
 model's own earlier replies), expert load balance (max/mean tokens per expert, per MoE layer, over every
-token the engine ran) and MTP draft acceptance. Arithmetic and counting are answered after a think
-section of worked steps; the report says how many of those steps were right. The last line is
-`accuracy=<fraction> n=<answers>`.
+token the engine ran, as the engine records it; `--expert-load-out FILE` writes those counts in the
+expert-load format `launch plan --expert-load` reads) and MTP draft acceptance. Arithmetic and counting
+are answered after a think section of worked steps; the report says how many of those steps were
+right. The last line is `accuracy=<fraction> n=<answers>`.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from moelaunch.launcher.commands import count
+from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, Answer, accuracy, ask, open_engine, tally
-from moelaunch.model.expert_load import ExpertLoad
+from moelaunch.model.expert_load_file import write_expert_load
 from moelaunch.tasks.problem_sets import HELD_OUT_SIZE, conversations_sample, held_out_sample
 
 
@@ -33,6 +36,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--multi-turn", action="store_true", help="score conversations of 2-6 turns (about --n turns in all)"
+    )
+    p.add_argument(
+        "--expert-load-out",
+        type=Path,
+        metavar="FILE",
+        help="write the tokens routed to each expert per MoE layer (JSON, moelaunch-expert-load/1)",
     )
     p.set_defaults(func=run)
 
@@ -66,28 +75,27 @@ def _print_reasoning(answers: list[Answer]) -> None:
     )
 
 
-def _layer(gate_name: str, n_layers: int) -> str:
-    """Gates are named model.layers.<i>.mlp.gate, or mtp.<k>.mlp.gate for MTP layer n_layers + k."""
-    parts = gate_name.split(".")
-    return f"layer {n_layers + int(parts[1])} (MTP)" if parts[0] == "mtp" else f"layer {parts[2]}"
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.expert_load_out:
+        check_writable(args.expert_load_out, "--expert-load-out")
     conversations = (
         conversations_sample(args.n) if args.multi_turn else [(p,) for p in held_out_sample(args.n)]
     )
-    llm = open_engine(args.model)
+    llm = open_engine(args.model, record_load=True)
     start = time.time()
     try:
-        with ExpertLoad(llm.engine.model) as load:
-            answers = ask(llm, conversations)
+        answers = ask(llm, conversations)
+        load = llm.engine.read_expert_load()
     finally:
         llm.shutdown()
     print_accuracy(answers, args.multi_turn)
     print("expert load, max/mean tokens per expert (1.00 is even):")
     n_layers = llm.engine.model.args.num_hidden_layers
-    for name, ratio in load.imbalance().items():
-        print(f"  {_layer(name, n_layers)}: {ratio:.2f}")
+    for layer, ratio in load.expert_imbalance(load.total).items():
+        print(f"  layer {layer}{' (MTP)' if layer >= n_layers else ''}: {ratio:.2f}")
+    if args.expert_load_out:
+        write_expert_load(args.expert_load_out, load.tokens(load.total), load.by_layer(load.total))
+        print(f"expert load of {load.tokens(load.total)} tokens written to {args.expert_load_out}")
     acceptance = llm.engine.stats.spec_acceptance
     print(
         "MTP draft acceptance: "

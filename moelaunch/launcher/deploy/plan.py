@@ -37,12 +37,14 @@ from pathlib import Path
 import torch
 
 from moelaunch.engine.config import default_kv_cache_fraction
+from moelaunch.engine.eplb import check_eplb
 from moelaunch.launcher.deploy.config import DeployConfig
 from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model import prefill_attention
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.quantization import IntQuant, is_quantizable, resolve_quantization
+from moelaunch.parallel.eplb import balanced_placements
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
 from moelaunch.parallel.parallelize import check_layout
@@ -239,6 +241,8 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
         )
     placement = _placement(cfg, args, mesh.ep)
     layer_placements = _layer_placements(cfg, args, mesh.ep)
+    if cfg.engine.eplb is not None:  # every layer planned at the expert slots a rebalance gives
+        placement, layer_placements = _eplb_placement(cfg, args, mesh), {}
     stages = assign_stages(args, mesh.pp)
     device_bytes = _device_bytes(cfg, device)
     usable = int(device_bytes * cfg.cluster.memory_fraction)
@@ -372,6 +376,19 @@ def _layer_placements(cfg: DeployConfig, args: ModelArgs, ep: int) -> dict[int, 
         raise cfg.error(
             "parallel.expert_placement_file", path, f"a placement file for this deployment ({e})"
         ) from None
+
+
+def _eplb_placement(cfg: DeployConfig, args: ModelArgs, mesh: MeshShape) -> ExpertPlacement:
+    """Under engine.eplb every rank comes to hold (experts + redundant) / ep experts per layer: the plan
+    budgets for that (a placement from an even load has those slot counts)."""
+    eplb = cfg.engine.eplb
+    try:
+        check_eplb(eplb, args, mesh)
+    except ValueError as e:
+        raise cfg.error("engine.eplb", eplb.model_dump(), str(e)) from None
+    even = torch.zeros(1, args.n_routed_experts)
+    (placement,) = balanced_placements(even, mesh.ep, eplb.redundant_experts, 1, 1)
+    return placement
 
 
 def _device_bytes(cfg: DeployConfig, device: str) -> int:

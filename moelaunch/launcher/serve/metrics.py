@@ -13,6 +13,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from moelaunch.engine.routed_load import LoadReport
 from moelaunch.engine.stats import EngineStats
 from moelaunch.launcher.serve.engine_loop import Progress
 
@@ -56,6 +57,29 @@ class ServeMetrics:
         self.spec_drafted = counter("spec_decode_draft_tokens", "MTP draft tokens verified")
         self.spec_accepted = counter("spec_decode_accepted_tokens", "MTP draft tokens kept")
         self.spec_acceptance = gauge("spec_decode_acceptance_rate", "accepted / drafted since start")
+        # Routed load over the engine's window (engine.expert_load_window or eplb): per layer and per
+        # EP rank, not per expert (58 layers x 256 experts would be 15K series).
+        self.expert_imbalance = Gauge(
+            "moelaunch_expert_load_imbalance",
+            "max/mean tokens per routed expert over the window (1.0 is even)",
+            ["layer"],
+            registry=self.registry,
+        )
+        self.ep_imbalance = Gauge(
+            "moelaunch_ep_rank_load_imbalance",
+            "max/mean routed rows per EP rank over the window, under the layer's placement (1.0 is even)",
+            ["layer"],
+            registry=self.registry,
+        )
+        self.ep_rows = Gauge(
+            "moelaunch_ep_rank_routed_rows",
+            "routed (token, expert) rows each EP rank ran over the window, all MoE layers",
+            ["ep_rank"],
+            registry=self.registry,
+        )
+        self.load_tokens = gauge("expert_load_window_tokens", "tokens routed in the window")
+        self.rebalances = gauge("eplb_rebalances", "expert placements applied since the start")
+        self._load_steps = -1
         self._timings: dict[str, _Timing] = {}
         self._lock = threading.Lock()
         self._last_stats = EngineStats()
@@ -127,3 +151,18 @@ class ServeMetrics:
         self.spec_accepted.inc(max(s.spec_accepted - before.spec_accepted, 0))
         if s.spec_acceptance is not None:
             self.spec_acceptance.set(s.spec_acceptance)
+
+    def expert_load(self, report: LoadReport | None) -> None:
+        """The engine's last routed-load read (every window steps); gauges set when it is a new one."""
+        if report is None or report.steps == self._load_steps:
+            return
+        self._load_steps = report.steps
+        w = report.window
+        for layer, ratio in report.expert_imbalance(w).items():
+            self.expert_imbalance.labels(layer=str(layer)).set(ratio)
+        for layer, ratio in report.rank_imbalance(w).items():
+            self.ep_imbalance.labels(layer=str(layer)).set(ratio)
+        for rank, rows in enumerate(report.rank_rows(w)):
+            self.ep_rows.labels(ep_rank=str(rank)).set(rows)
+        self.load_tokens.set(report.tokens(w))
+        self.rebalances.set(report.rebalances)

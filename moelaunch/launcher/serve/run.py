@@ -33,6 +33,8 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
 
     def on_stats(stats: EngineStats) -> None:
         metrics.engine_stats(stats)
+        if engine.config.load_window:
+            metrics.expert_load(engine.expert_load)
         log.maybe_write(lambda: stats)
 
     engine = client.engine

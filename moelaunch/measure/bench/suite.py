@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from moelaunch.engine.llm import LLM
+from moelaunch.engine.routed_load import TOTAL_ONLY_WINDOW
 from moelaunch.measure.bench import hf_peer, ours
 from moelaunch.measure.bench.metrics import CaseRun, summarize
 from moelaunch.measure.bench.tables import OURS, Results, ratios
@@ -55,6 +56,7 @@ class BenchOptions:
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
     compile: str = "auto"  # engine.compile for this engine
+    expert_load: bool = False  # this engine records routed load: the result gets it, per MoE layer
 
 
 def build_cases(opts: BenchOptions, vocab_size: int, seed: int | None = None) -> list[Case]:
@@ -109,7 +111,8 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
     torch.set_num_threads(opts.threads)
     try:
         _log(f"{OURS}: loading {opts.model}")
-        with LLM(opts.model, **ours, **settings) as llm:
+        recording = {"expert_load_window": TOTAL_ONLY_WINDOW} if opts.expert_load else {}
+        with LLM(opts.model, **ours, **recording, **settings) as llm:
             for r, round_cases in enumerate(per_round):
                 _log(f"round {r + 1} of {opts.rounds}")
                 rounds.setdefault(OURS, []).append(run_ours_on(llm, round_cases, warmup))
@@ -117,6 +120,10 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
                     systems["vllm"], vllm_results = _run_vllm(opts, round_cases, warmup, settings)
                     if vllm_results:
                         rounds.setdefault("vllm", []).append(vllm_results)
+            if opts.expert_load:
+                load = llm.engine.read_expert_load()
+                counts = {str(layer): c.tolist() for layer, c in load.by_layer(load.total).items()}
+                systems[OURS] = {**ours, "expert_load": {"tokens": load.tokens(load.total), "counts": counts}}
         gc.collect()  # our model and cache go before transformers loads
         if opts.compare:
             systems["transformers"], rounds["transformers"] = _run_transformers(opts, per_round, warmup)
