@@ -129,3 +129,20 @@ def test_moe_sort_rows_is_the_stable_sort_with_its_gather(tokens, top_k, experts
 def test_moe_sort_rows_refuses_an_expert_id_out_of_range():
     with pytest.raises(RuntimeError, match="expert id out of range"):
         ext.moe_sort_rows_cpu(torch.randn(2, 4), torch.tensor([[0, 1], [2, 4]]), 4)
+
+
+def test_add_rms_norm_is_the_add_then_the_norm():
+    x, y = torch.randn(37, 96)[:, :64], torch.randn(37, 64)  # x strided, as a wider output's slice
+    weight = torch.rand(64) + 0.5
+    total, normed = ext.add_rms_norm_cpu(x, y, weight, 1e-6)
+    assert torch.equal(total, x + y)
+    torch.testing.assert_close(normed, ref.rms_norm_ref(x + y, weight, 1e-6), rtol=4 * gamma(64), atol=1e-6)
+
+
+def test_moe_combine_adds_the_residual_once():
+    y, weights = torch.randn(12, 16), torch.rand(4, 3)
+    slot = torch.randperm(12).view(4, 3)
+    base, residual = torch.randn(4, 16), torch.randn(4, 16)
+    out = ext.moe_combine_cpu(y, slot, weights, base, residual)
+    torch.testing.assert_close(out, ref.moe_combine_ref(y, slot, weights, base, residual))
+    torch.testing.assert_close(out - residual, ext.moe_combine_cpu(y, slot, weights, base), atol=1e-6, rtol=0)

@@ -21,6 +21,7 @@ from moelaunch.kernels.dispatch import (
 )
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
 from moelaunch.kernels.fused import (
+    add_rms_norm,
     mla_latent,
     moe_combine,
     moe_route,
@@ -54,6 +55,7 @@ from moelaunch.kernels.selection import (
 )
 
 __all__ = [
+    "add_rms_norm",
     "BLOCK_SIZE",
     "FP8_KV_DTYPE",
     "FP8_MAX",

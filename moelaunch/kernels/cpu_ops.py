@@ -131,13 +131,26 @@ def _(gate: Tensor, up: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("moelaunch::moe_combine_cpu", mutates_args=())
-def moe_combine_cpu(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
-    return _ext().moe_combine_cpu(y, slot, weights, base)
+def moe_combine_cpu(
+    y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None, residual: Tensor | None
+) -> Tensor:
+    return _ext().moe_combine_cpu(y, slot, weights, base, residual)
 
 
 @moe_combine_cpu.register_fake
-def _(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
+def _(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None, residual: Tensor | None) -> Tensor:
     return y.new_empty(slot.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("moelaunch::add_rms_norm_cpu", mutates_args=())
+def add_rms_norm_cpu(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    total, normed = _ext().add_rms_norm_cpu(x, y, weight, eps)
+    return total, normed
+
+
+@add_rms_norm_cpu.register_fake
+def _(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty(x.shape)
 
 
 @torch.library.custom_op("moelaunch::moe_route_cpu", mutates_args=())

@@ -51,13 +51,25 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return ref.silu_mul_ref(gate, up)
 
 
-def moe_combine(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None = None) -> Tensor:
-    """base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D] expert outputs, slot/weights [T, K]."""
-    if selection.moe_combine_on_cpu(y, weights, base):
+def moe_combine(
+    y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None = None, residual: Tensor | None = None
+) -> Tensor:
+    """residual + base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D] expert outputs, slot/weights [T, K]
+    (residual: the block's input, so its residual add is no op of its own)."""
+    if selection.moe_combine_on_cpu(y, weights, base, residual):
         return cpu_kernel("moe_combine_cpu")(
-            y.contiguous(), slot.long().contiguous(), weights.contiguous(), base
+            y.contiguous(), slot.long().contiguous(), weights.contiguous(), base, residual
         )
-    return ref.moe_combine_ref(y, slot, weights, base)
+    return ref.moe_combine_ref(y, slot, weights, base, residual)
+
+
+def add_rms_norm(x: Tensor, y: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + y, RMSNorm(x + y)) over the last dimension: a residual add and the next pre-norm."""
+    if selection.add_rms_norm_on_cpu(x, y, weight):
+        total, normed = cpu_kernel("add_rms_norm_cpu")(x, y, weight.contiguous(), eps)
+        return total, normed
+    total = x + y
+    return total, ref.rms_norm_ref(total, weight, eps)
 
 
 def moe_route(

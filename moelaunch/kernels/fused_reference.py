@@ -56,10 +56,14 @@ def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def moe_combine_ref(y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None) -> Tensor:
-    """base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D], slot/weights [T, K], base [T, D] or None."""
+def moe_combine_ref(
+    y: Tensor, slot: Tensor, weights: Tensor, base: Tensor | None, residual: Tensor | None = None
+) -> Tensor:
+    """residual + base + sum_k weights[:, k] * y[slot[:, k]]: y [S, D], slot/weights [T, K], base and
+    residual [T, D] or None."""
     out = torch.einsum("tk,tkd->td", weights.to(y.dtype), y[slot])
-    return out if base is None else base + out
+    out = out if base is None else base + out
+    return out if residual is None else residual + out
 
 
 def moe_route_ref(

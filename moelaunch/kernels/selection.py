@@ -138,10 +138,16 @@ def silu_mul_on_cpu(gate: Tensor, up: Tensor) -> bool:
     return gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and _cpu_kernel_takes(gate, up)
 
 
-def moe_combine_on_cpu(y: Tensor, weights: Tensor, base: Tensor | None) -> bool:
-    if base is None:
-        return _cpu_kernel_takes(y, weights)
-    return _cpu_kernel_takes(y, weights, base) and base.stride(-1) == 1
+def moe_combine_on_cpu(y: Tensor, weights: Tensor, base: Tensor | None, residual: Tensor | None) -> bool:
+    extra = [t for t in (base, residual) if t is not None]
+    return _cpu_kernel_takes(y, weights, *extra) and all(t.dim() == 2 and t.stride(-1) == 1 for t in extra)
+
+
+def add_rms_norm_on_cpu(x: Tensor, y: Tensor, weight: Tensor) -> bool:
+    return (
+        x.dim() == 2 and x.shape == y.shape and x.stride(-1) == 1 and y.stride(-1) == 1
+        and _cpu_kernel_takes(x, y, weight)
+    )  # fmt: skip
 
 
 def moe_route_on_cpu(logits: Tensor, bias: Tensor | None) -> bool:

@@ -53,9 +53,10 @@ class ExpertDispatch(Protocol):
         ids: torch.Tensor,
         run: RunByOffsets,
         base: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The same result for the layer's whole input x with counts and offsets kept on the device:
-        fixed shapes, no host sync (the static decode step)."""
+        """The same result (plus residual, when given) for the layer's whole input x with counts and
+        offsets kept on the device: fixed shapes, no host sync (the static decode step)."""
         ...
 
 
@@ -104,7 +105,9 @@ class LocalDispatch:
         ids: torch.Tensor,
         run: RunByOffsets,
         base: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows, sorted_ids, offsets, slot = kernels.moe_sort_rows(x, ids, self.n_experts)
         # A token takes an expert at most once: no expert gets more rows than there are tokens.
-        return kernels.moe_combine(run(rows, sorted_ids, offsets, x.shape[0]), slot, weights, base)
+        y = run(rows, sorted_ids, offsets, x.shape[0])
+        return kernels.moe_combine(y, slot, weights, base, residual)

@@ -50,24 +50,32 @@ class MoE(nn.Module):
         self.counted: tuple[RoutedCounts, int] | None = None
 
     def forward(
-        self, x: torch.Tensor, static: bool = False, valid: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        static: bool = False,
+        valid: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """static: route on the device only (no host sync, shapes fixed by x's), as the static decode
         step needs; eager steps take that path too wherever it is the one they would take anyway.
-        valid [rows] bool: the rows that are not padding (counted routed load leaves padding out)."""
+        valid [rows] bool: the rows that are not padding (counted routed load leaves padding out).
+        residual (x's shape): added to the output, inside the combine on the device path."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if residual is not None:
+            residual = residual.reshape(x.shape)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if static or self._small_batch_on_device(x):
             weights, ids = self.gate(x)
             if self.counted is not None:  # every rank routed all rows: each counts its dispatch share
                 self._count(self.dispatch.rows(ids), None if valid is None else self.dispatch.rows(valid))
-            return self.run_on_device(x, weights, ids, shared).view(shape)
+            return self.run_on_device(x, weights, ids, shared, residual).view(shape)
         mine = self.dispatch.rows(x)
         weights, ids = self.gate(mine)
         if self.counted is not None:
             self._count(ids, None if valid is None else self.dispatch.rows(valid))
-        return self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0]).view(shape)
+        out = self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0])
+        return (out if residual is None else residual + out).view(shape)
 
     def _count(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
         counts, layer_id = self.counted
@@ -90,7 +98,12 @@ class MoE(nn.Module):
         )
 
     def run_on_device(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        shared: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The routed experts with counts and offsets kept on the device (the dispatcher sorts the
         (token, expert) pairs by expert; `run_by_offsets` finds each expert's rows by its offsets)."""
@@ -99,7 +112,7 @@ class MoE(nn.Module):
                 "run_on_device needs stacked experts (stack_experts) and a dispatcher whose ranks all see "
                 "the same rows (one process, or expert parallelism inside one tensor-parallel group)"
             )
-        return self.dispatch.route_on_device(x, weights, ids, self.run_by_offsets, shared)
+        return self.dispatch.route_on_device(x, weights, ids, self.run_by_offsets, shared, residual)
 
     def run_by_offsets(
         self, x_sorted: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor, most_rows: int

@@ -16,3 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, this norm of x + y): a residual add and the next pre-norm, in one kernel on the CPU."""
+        return kernels.add_rms_norm(x, y, self.weight, self.eps)

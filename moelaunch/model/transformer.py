@@ -47,11 +47,15 @@ class DecoderLayer(nn.Module):
         impl: AttnImpl,
     ) -> torch.Tensor:
         if x.shape[0]:  # a rank with no tokens skips attention but still joins the MoE exchange
-            x = x + self.self_attn(self.input_layernorm(x), rope, cos_sin, layout, self.layer_id, impl)
-        h = self.post_attention_layernorm(x)
-        # A static step routes MoE rows on the device (no counts read back).
-        if layout.static and isinstance(self.mlp, MoE):
-            return x + self.mlp(h, static=True, valid=layout.valid_rows)
+            attended = self.self_attn(self.input_layernorm(x), rope, cos_sin, layout, self.layer_id, impl)
+            x, h = self.post_attention_layernorm.add(x, attended)
+        else:
+            h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            # A static step routes MoE rows on the device (no counts read back); the MoE adds the
+            # residual in its combine where it can.
+            valid = layout.valid_rows if layout.static else None
+            return self.mlp(h, static=layout.static, valid=valid, residual=x)
         return x + self.mlp(h)
 
 

@@ -128,6 +128,7 @@ class AllToAllDispatch:
         ids: torch.Tensor,
         run: RunByOffsets,
         base: torch.Tensor | None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Every row through this rank's experts, the pairs of other ranks' experts (and of copies whose
         first owner is another rank) weighted 0 (other ranks' run through local expert 0 so that their
@@ -141,8 +142,9 @@ class AllToAllDispatch:
         mine = self.counted_here[ids]
         rows, sorted_ids, offsets, slot = kernels.moe_sort_rows(x, local.clamp(min=0), len(self.expert_ids))
         y = run(rows, sorted_ids, offsets, ids.numel())
-        # The shared experts' output (base) is whole on every rank: added once, on the first.
-        partial = kernels.moe_combine(y, slot, weights * mine, base if self.ep.index == 0 else None)
+        # The shared experts' output (base) and the residual are whole on every rank: added once, on rank 0.
+        first = self.ep.index == 0
+        partial = kernels.moe_combine(y, slot, weights * mine, *((base, residual) if first else (None, None)))
         return self.ep.all_reduce(partial)
 
     def _run_local(self, rows: torch.Tensor, expert_ids: torch.Tensor, run: RunExperts) -> torch.Tensor:

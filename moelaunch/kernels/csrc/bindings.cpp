@@ -14,7 +14,8 @@ torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double 
 torch::Tensor rotate_tail_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t p, bool interleaved);
 torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
 torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor weights,
-                              c10::optional<torch::Tensor> base);
+                              c10::optional<torch::Tensor> base, c10::optional<torch::Tensor> residual);
+std::vector<torch::Tensor> add_rms_norm_cpu(torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps);
 torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
                               int64_t path);
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
@@ -39,8 +40,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
   m.def("rotate_tail_cpu", &rotate_tail_cpu, "in place: rotary embedding of each head's last columns");
   m.def("silu_mul_cpu", &silu_mul_cpu, "silu(gate) * up");
-  m.def("moe_combine_cpu", &moe_combine_cpu, "base + the routing-weighted sum of each token's expert outputs",
-        py::arg("y"), py::arg("slot"), py::arg("weights"), py::arg("base") = py::none());
+  m.def("moe_combine_cpu", &moe_combine_cpu,
+        "residual + base + the routing-weighted sum of each token's expert outputs", py::arg("y"), py::arg("slot"),
+        py::arg("weights"), py::arg("base") = py::none(), py::arg("residual") = py::none());
+  m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "(x + y, RMSNorm(x + y)) of fp32 rows");
   // Integer weights (int_linear_cpu.cpp); `path`: 0 scalar, 1 AVX2, 2 AVX-512, -1 the best built.
   m.def("int8_linear_cpu", &int8_linear_cpu, "x @ (q * scale)^T per group of rows, int8 weights");
   m.def("int4_linear_cpu", &int4_linear_cpu, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");

@@ -87,6 +87,33 @@ torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps) {
   return out;
 }
 
+// x, y [N, D] -> (x + y, RMSNorm(x + y) with weight [D]): a pre-norm block's residual add and the next
+// norm in one pass (two dispatches in torch).
+std::vector<torch::Tensor> add_rms_norm_cpu(torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(y, "y");
+  TORCH_CHECK(x.dim() == 2 && x.sizes() == y.sizes() && weight.scalar_type() == torch::kFloat32 &&
+                  weight.is_contiguous() && weight.numel() == x.size(1),
+              "x and y must be [N, D] and weight a contiguous fp32 [D]");
+  auto sum = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t n = x.size(1), xs = x.stride(0), ys = y.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const float* yp = y.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sp + r * n;
+      for (int64_t i = 0; i < n; ++i) s[i] = xp[r * xs + i] + yp[r * ys + i];
+      rms_norm_row(s, wp, n, e, op + r * n);
+    }
+  });
+  return {sum, out};
+}
+
 // In place on latent [N, C + P]: RMSNorm (weight [C]) on the first C columns, rotary embedding (tables
 // [N, P/2]) on the last P. Returns latent.
 torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
@@ -165,7 +192,7 @@ torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up) {
 // order), slot/weights [T, K] where each token's K outputs are and what they weigh, base [T, D] or
 // undefined (zeros).
 torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor weights,
-                              c10::optional<torch::Tensor> base) {
+                              c10::optional<torch::Tensor> base, c10::optional<torch::Tensor> residual) {
   check_rows(y, "y");
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous(), "y must be a contiguous [S, D]");
   TORCH_CHECK(slot.scalar_type() == torch::kInt64 && slot.is_contiguous() && slot.dim() == 2,
@@ -178,8 +205,16 @@ torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor
     check_rows(*base, "base");
     TORCH_CHECK(base->dim() == 2 && base->size(0) == tokens && base->size(1) == d, "base must be [T, D]");
   }
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == tokens && residual->size(1) == d,
+                "residual must be [T, D]");
+  }
   auto out = torch::empty({tokens, d}, y.options());
   const float* yp = y.data_ptr<float>();
+  const float* rp = has_residual ? residual->data_ptr<float>() : nullptr;
+  const int64_t rs = has_residual ? residual->stride(0) : 0;
   const int64_t* sp = slot.data_ptr<int64_t>();
   const float* wp = weights.data_ptr<float>();
   const float* bp = has_base ? base->data_ptr<float>() : nullptr;
@@ -192,6 +227,9 @@ torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor
         std::copy_n(bp + t * bs, d, o);
       } else {
         std::fill_n(o, d, 0.f);
+      }
+      if (rp != nullptr) {
+        for (int64_t i = 0; i < d; ++i) o[i] += rp[t * rs + i];
       }
       for (int64_t j = 0; j < k; ++j) {
         const int64_t s = sp[t * k + j];
