@@ -72,6 +72,22 @@ class MLA(nn.Module):
         self.kv_b_proj = shard.column(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
         self.o_proj = shard.row(heads * args.v_head_dim, args.hidden_size)
         self._decode_heads = DecodeHeadWeights()
+        # Set by fuse_input_projections: q_a_proj and kv_a_proj_with_mqa as one product. In a tuple, so
+        # it is no submodule: the checkpoint's names stay the model's only parameters.
+        self._joint_a: tuple[Linear] | None = None
+
+    def fuse_input_projections(self) -> None:
+        """q_a_proj and kv_a_proj_with_mqa read the same input: with plain weights, one product (one
+        kernel instead of two). Their weights become views of the joint one, so no memory is added."""
+        q, kv = getattr(self, "q_a_proj", None), self.kv_a_proj_with_mqa
+        if q is None or not (q.is_plain() and kv.is_plain()) or q.weight.dtype != kv.weight.dtype:
+            return
+        joint = torch.cat([q.weight.data, kv.weight.data])
+        with torch.device("meta"):
+            linear = Linear(q.in_features, joint.shape[0])
+        linear.weight = nn.Parameter(joint, requires_grad=False)
+        q.weight.data, kv.weight.data = joint[: q.out_features], joint[q.out_features :]
+        self._joint_a = (linear,)
 
     def forward(
         self,
@@ -86,20 +102,25 @@ class MLA(nn.Module):
         (decodes) then attend together through the paged decode kernel, longer spans one by one."""
         n = x.shape[0]
         cos, sin = cos_sin
-        q = (
-            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            if hasattr(self, "q_b_proj")
-            else self.q_proj(x)
-        )
+        if self._joint_a is not None:
+            q_a, kv_a = self._joint_a[0](x).split(
+                [self.q_a_proj.out_features, self.kv_rank + self.rope_dim], -1
+            )
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            kv_a = self.kv_a_proj_with_mqa(x)
+            q = (
+                self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+                if hasattr(self, "q_b_proj")
+                else self.q_proj(x)
+            )
         # [T, H, nope | rope] with the rope part rotated: one tensor serves both forms (the naive one
         # dots it with [k_nope | k_pe] as is).
         q = kernels.rotate_tail(q.view(n, self.n_heads, -1), cos, sin, self.rope_dim, rope.interleaved)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         # The cached latent [c_kv | k_pe]: normalized and rotated, then stored as is.
         norm = self.kv_a_layernorm
-        latent = kernels.mla_latent(
-            self.kv_a_proj_with_mqa(x), norm.weight, norm.eps, cos, sin, rope.interleaved
-        )
+        latent = kernels.mla_latent(kv_a, norm.weight, norm.eps, cos, sin, rope.interleaved)
         kv, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)
         cache = layout.cache
         if cache is not None:

@@ -143,10 +143,13 @@ class Transformer(nn.Module):
 
     def stack_experts(self) -> None:
         """For fast small-batch inference: every MoE layer's routed experts stacked (MoE.stack_experts),
-        and every other MLP's gate and up projections as one (MLP.stack_gate_up)."""
+        every other MLP's gate and up projections as one (MLP.stack_gate_up), and each attention's
+        q_a and kv_a projections as one (MLA.fuse_input_projections)."""
         for module in self.modules():
             if isinstance(module, MoE):
                 module.stack_experts()
+            elif isinstance(module, MLA):
+                module.fuse_input_projections()
         routed = {id(mlp) for m in self.modules() if isinstance(m, MoE) for mlp in m.experts.values()}
         for module in self.modules():
             if isinstance(module, MLP) and id(module) not in routed:
