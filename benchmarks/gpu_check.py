@@ -1,4 +1,4 @@
-"""The prepared GPU check of issue 29 (item 6): everything one H100/H200 session should measure, in one
+r"""The prepared GPU check of issue 29 (item 6): everything one H100/H200 session should measure, in one
 run of under 8 minutes, each part time-boxed so that a failure or a hang costs only its own figures.
 
     python -m benchmarks.gpu_check [--device cuda] [--quick] [--parts 1,2,3,4,5] [--json OUT]
@@ -17,23 +17,30 @@ Each task runs in its own process with a timeout (a hung compile or a CUDA fault
 process's context, ends only that task); figures are saved as they are measured, so a timeout keeps
 them. Cheap parts run first (1, 4, 5, then 2 and 3), so a slow model build cannot starve them. Prints
 one table per part with its elapsed time, then one JSON line of the tables' rows (--json OUT writes
-them with every task's raw results). Task logs go to
---log (default: the work folder, deleted at the end unless --workdir is given); a failed task's table
-row shows its error and the end of its log.
+them with every task's raw results). Task logs go to --log (default: the work folder, deleted at the
+end unless --workdir is given); a failed task's table shows its error and the end of its log.
 
-On a lent GPU machine (pydantic is not installed there: carry its wheels, see
-/work/.library/device/README.md; fetched once here into the ignored folder .whl with
-`python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
---platform manylinux_2_17_x86_64 -d .whl pydantic==2.12.5 pydantic-core==2.41.5 annotated-types==0.7.0
-typing-inspection==0.4.2`), the `run` command, with carry [".whl"] and timeout_s 570:
+On a lent GPU machine the image lacks pydantic and xgrammar (which the engine imports): carry them as
+wheels (/work/.library/device/README.md). Once, here, in the repository's root (`/.whl/` in
+.git/info/exclude):
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      -d .whl pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5 \
+      typing-extensions==4.16.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+
+then the device tool's `run` with carry [".whl"], timeout_s 570 and the command
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site
     .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 && python3 -m benchmarks.gpu_check
     --json $OUT/gpu_check.json --log $OUT/gpu_check.log
 
+(one line). The tables and the JSON line end the output; $OUT brings back the raw results and the
+task logs.
+
 The CPU check (tests/test_gpu_check.py) runs `--device cpu --quick`: tiny shapes, few steps; what needs
-CUDA (graphs, the profiler's CUDA times) says it was skipped, and the FP8 and MLA kernels run their torch
-paths (the table's impl column says which implementation ran).
+CUDA (graphs, the profiler's CUDA times) says it was skipped, and the FP8 and MLA kernels run their CPU
+paths (the table's implementation column says which one ran).
 """
 
 from __future__ import annotations

@@ -105,9 +105,13 @@ def decode(
     for mode in modes:
         llm = engines[mode] = _engine(path, "bfloat16" if dtype == "bf16" else dtype, mode, batches, max_len)
         if mode == "graphs" and llm.engine.runner.static is None:
+            # Its figures would be the eager ones again: say why, and spend the time elsewhere.
             engine = llm.engine
-            why = static_decode_supported(engine.model, engine.cache, True)
-            result["notes"][mode] = f"every decode step eager ({why or 'the static step is off'})"
+            why = static_decode_supported(engine.model, engine.cache, True) or "the static step is off"
+            result["notes"][mode] = f"not measured: no graphs, every decode step stays eager ({why})"
+            llm.shutdown()
+            del engines[mode]
+            continue
         ours.run_case(llm, warmup)
         for case in latency_cases(batches, *lens, vocab, seed=1):
             runs.append((f"{mode} b{case.batch_size}", _decode_tok_s(llm, case)))
