@@ -46,6 +46,7 @@ paths (the table's implementation column says which one ran).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -71,21 +72,21 @@ TITLES = {
     5: "GPU tests (Triton compiled)",
 }
 RUN_ORDER = [1, 4, 5, 2, 3]  # cheap, independent parts first
-# Each task's time box on the GPU (seconds); their sum stays under 8 minutes.
+# Each task's time box on the GPU (seconds); the run as a whole stops at TOTAL_BUDGET.
 BUDGETS = {
     "ceilings": 25,
     "fp8-gemm": 35,
     "grouped-gemm": 35,
     "mla-decode": 20,
     "tests": 70,
-    "models": 80,
-    "decode-bf16": 60,
-    "decode-fp8": 60,
-    "hf-generate": 45,
+    "models": 75,
+    "decode-bf16": 55,
+    "decode-fp8": 75,  # eager FP8 at batch 32 and 128 took ~25 s each on an H200 (issue 29)
+    "hf-generate": 40,
     "profile": 40,
 }
 QUICK_BUDGET = 60  # any one task with --quick
-TOTAL_BUDGET = 470
+TOTAL_BUDGET = 460  # 7 min 40 s: the tasks start and stop inside 8 minutes
 
 
 @dataclass(frozen=True)
@@ -152,30 +153,42 @@ def run_task(name: str, args: argparse.Namespace, save: Callable[[Any], None]) -
             save(dec.profile_step(workdir, device, sizes.lens, sizes.profile_steps))
 
 
+PER_TEST_TIMEOUT_S = (
+    25  # where pytest-timeout is installed (the GPU image): one slow test cannot eat the rest
+)
+
+
 def gpu_tests(deadline: float) -> dict[str, Any]:
     """pytest tests/test_cuda_kernels.py with TRITON_INTERPRET removed, so the kernels compile (the CPU
-    C++ kernels are not built: the CPU side of these tests runs the torch paths)."""
+    C++ kernels are not built: the CPU side of these tests runs the torch paths). Counted from pytest's
+    per-test lines, so a run cut short still reports the tests that finished."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["MOELAUNCH_CPU_KERNELS"] = "0"
     cmd = [
         sys.executable,
         "-m",
         "pytest",
-        "-q",
-        "-rfEs",
+        "-v",
+        "-rs",
         "-p",
         "no:cacheprovider",
         "tests/test_cuda_kernels.py",
     ]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd.append(f"--timeout={PER_TEST_TIMEOUT_S}")
     try:
         proc = subprocess.run(
             cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(1.0, deadline - time.time())
         )
+        output, cut_short = proc.stdout + proc.stderr, False
     except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
-        return {"error": "pytest timed out", "output_tail": out[-2000:]}
-    print(proc.stdout + proc.stderr)
-    return {"returncode": proc.returncode, **tables.pytest_counts(proc.stdout)}
+        output = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        cut_short = True
+    print(output)
+    result = tables.pytest_counts(output)
+    if cut_short:
+        result["error"] = "pytest ran out of the time box; the counts are the tests that finished"
+    return result
 
 
 def child_main(args: argparse.Namespace) -> int:

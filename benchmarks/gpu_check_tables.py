@@ -153,14 +153,16 @@ def _kernels(results: dict[str, Any], report: dict[str, Any], sizes: Any) -> tup
 
 
 def pytest_counts(output: str) -> dict[str, Any]:
-    """passed / failed / skipped / errors from pytest's summary line, and the failed tests' ids."""
-    summary = output.strip().splitlines()[-1] if output.strip() else ""
+    """passed / failed / skipped / errors from `pytest -v`'s per-test lines (complete even when the run
+    was cut short), the failed tests' ids and the skip reasons (`-rs`)."""
+    outcomes = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", output, re.MULTILINE)
     counts = {k: 0 for k in ("passed", "failed", "skipped", "errors")}
-    for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?)\b", summary):
-        counts["errors" if kind.startswith("error") else kind] = int(n)
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
+    for _, outcome in outcomes:
+        key = {"PASSED": "passed", "XPASS": "passed", "SKIPPED": "skipped", "XFAIL": "skipped"}.get(outcome)
+        counts[key or ("errors" if outcome == "ERROR" else "failed")] += 1
+    failed = [test for test, outcome in outcomes if outcome in ("FAILED", "ERROR")]
     skip_reasons = sorted(set(re.findall(r"^SKIPPED \[\d+\] \S+: (.*)$", output, re.MULTILINE)))
-    return {**counts, "failed_tests": failed, "skip_reasons": skip_reasons, "summary": summary}
+    return {**counts, "failed_tests": failed, "skip_reasons": skip_reasons}
 
 
 def _tests(results: dict[str, Any], report: dict[str, Any], sizes: Any) -> tuple[str, list[Row]]:

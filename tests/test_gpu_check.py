@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check
+from benchmarks import gpu_check_tables as tables
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,3 +104,28 @@ def test_cuda_without_a_gpu_is_refused_with_one_line():
     proc = _run("--device", "cuda", timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and "no CUDA GPU is visible here" in proc.stderr
+
+
+def test_gpu_test_counts_come_from_each_finished_test():
+    # pytest -v's lines of a run cut short by the time box: no summary line, the finished tests count.
+    output = "\n".join(
+        [
+            "tests/test_cuda_kernels.py::test_fp8_linear_compiled_matches_reference PASSED [  9%]",
+            "tests/test_cuda_kernels.py::test_paged_mla_decode[dtype0] FAILED [ 18%]",
+            "tests/test_cuda_kernels.py::test_engine_on_cuda_gives_the_cpu_tokens ERROR [ 27%]",
+            "tests/test_cuda_kernels.py::test_the_triton_kernels_are_compiled_not_interpreted SKIPPED [ 36%]",
+            "SKIPPED [1] tests/test_cuda_kernels.py:96: needs a CUDA GPU",
+        ]
+    )
+    counts = tables.pytest_counts(output)
+    assert {k: counts[k] for k in ("passed", "failed", "errors", "skipped")} == {
+        "passed": 1,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 1,
+    }
+    assert counts["failed_tests"] == [
+        "tests/test_cuda_kernels.py::test_paged_mla_decode[dtype0]",
+        "tests/test_cuda_kernels.py::test_engine_on_cuda_gives_the_cpu_tokens",
+    ]
+    assert counts["skip_reasons"] == ["needs a CUDA GPU"]
