@@ -58,26 +58,33 @@ def _engine(path: Path, dtype: str, mode: str, batches: list[int], max_len: int)
     )
 
 
-def _rounds(
-    runs: list[tuple[str, Callable[[], float]]],
-    rounds: int,
-    deadline: float,
-    figures: dict[str, list[float]],
-    save: Callable[[], None],
-) -> None:
-    """Each run once, then again up to `rounds` times while its last duration still fits before the
-    deadline (a time.time() the parent set), into figures[name]; saved after every run (a timeout
-    keeps what was measured)."""
-    figures.update({name: [] for name, _ in runs})
-    took: dict[str, float] = {}
-    for r in range(rounds):
+class Rounds:
+    """Timed runs into figures[name]: each run once as soon as its engine is ready, then again up to
+    `rounds` times while its last duration still fits before the deadline (a time.time() the parent
+    set). Saved after every run, so a timeout keeps what was measured."""
+
+    def __init__(self, deadline: float, save: Callable[[], None]) -> None:
+        self.deadline, self.save = deadline, save
+        self.figures: dict[str, list[float]] = {}
+        self.runs: list[tuple[str, Callable[[], float]]] = []
+        self.took: dict[str, float] = {}
+
+    def first(self, runs: list[tuple[str, Callable[[], float]]]) -> None:
         for name, run in runs:
-            if r and time.time() + took[name] > deadline:
-                continue
-            start = time.time()
-            figures[name].append(run())
-            took[name] = time.time() - start
-            save()
+            self._measure(name, run)
+        self.runs += runs
+
+    def more(self, rounds: int) -> None:
+        for _ in range(rounds - 1):
+            for name, run in self.runs:
+                if time.time() + self.took[name] <= self.deadline:
+                    self._measure(name, run)
+
+    def _measure(self, name: str, run: Callable[[], float]) -> None:
+        start = time.time()
+        self.figures.setdefault(name, []).append(run())
+        self.took[name] = time.time() - start
+        self.save()
 
 
 def decode(
@@ -94,30 +101,35 @@ def decode(
     computes it), `rounds` times each where time allows."""
     path = workdir / ("fp8" if dtype == "fp8" else "bf16")
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    result: dict[str, Any] = {"figures": {}, "notes": {}}
+    result: dict[str, Any] = {"notes": {}}
+    timed = Rounds(deadline, lambda: save(result))
+    result["figures"] = timed.figures
     modes = list(MODES) if device.type == "cuda" else ["eager"]
     if device.type != "cuda":
         result["notes"]["graphs"] = "skipped: CUDA graphs need CUDA"
-    engines: dict[str, LLM] = {}
-    runs = []
+    engines: list[LLM] = []
     warmup = warmup_case(vocab)
     max_len = max(sum(lens), warmup.max_len)
     for mode in modes:
-        llm = engines[mode] = _engine(path, "bfloat16" if dtype == "bf16" else dtype, mode, batches, max_len)
+        llm = _engine(path, "bfloat16" if dtype == "bf16" else dtype, mode, batches, max_len)
         if mode == "graphs" and llm.engine.runner.static is None:
             # Its figures would be the eager ones again: say why, and spend the time elsewhere.
             engine = llm.engine
             why = static_decode_supported(engine.model, engine.cache, True) or "the static step is off"
             result["notes"][mode] = f"not measured: no graphs, every decode step stays eager ({why})"
+            save(result)
             llm.shutdown()
-            del engines[mode]
             continue
+        engines.append(llm)
         ours.run_case(llm, warmup)
-        for case in latency_cases(batches, *lens, vocab, seed=1):
-            runs.append((f"{mode} b{case.batch_size}", _decode_tok_s(llm, case)))
-
-    _rounds(runs, rounds, deadline, result["figures"], lambda: save(result))
-    for llm in engines.values():
+        timed.first(
+            [
+                (f"{mode} b{c.batch_size}", _decode_tok_s(llm, c))
+                for c in latency_cases(batches, *lens, vocab, 1)
+            ]
+        )
+    timed.more(rounds)
+    for llm in engines:
         llm.shutdown()
 
 
@@ -139,41 +151,48 @@ def hf_decode(
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     model = hf_peer.load_hf_model(str(path), torch.bfloat16, device.type)
     hf_peer.run_case(model, warmup_case(vocab), 2)
-    result: dict[str, Any] = {"figures": {}}
+    result: dict[str, Any] = {}
+    timed = Rounds(deadline, lambda: save(result))
+    result["figures"] = timed.figures
 
     def run(case: Any) -> Callable[[], float]:
         return lambda: summarize(hf_peer.run_case(model, case, case.batch_size), case.batch_size)[
             "decode_tok_s"
         ]
 
-    runs = [(f"b{c.batch_size}", run(c)) for c in latency_cases(batches, *lens, vocab, seed=1)]
-    _rounds(runs, rounds, deadline, result["figures"], lambda: save(result))
+    timed.first([(f"b{c.batch_size}", run(c)) for c in latency_cases(batches, *lens, vocab, seed=1)])
+    timed.more(rounds)
 
 
 def profile_step(workdir: Path, device: torch.device, lens: tuple[int, int], steps: int) -> dict[str, Any]:
-    """One batch-1 decode step per mode, `steps` of them profiled: wall time, GPU-busy share (the union
-    of kernel intervals over wall time), kernels run, kernel launch calls, device ops and syncs."""
+    """One batch-1 decode step per mode, as the mean of `steps` steps: wall time (unprofiled), then under
+    torch.profiler the GPU-busy share (the union of kernel intervals over that wall time), kernels run
+    and kernel launch calls; device ops and syncs of one step under StepOps."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     out: dict[str, Any] = {}
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for mode in MODES if device.type == "cuda" else ["eager"]:
-        llm = _engine(workdir / "bf16", "bfloat16", mode, [1], max(sum(lens), lens[0] + steps + 8))
+        llm = _engine(workdir / "bf16", "bfloat16", mode, [1], lens[0] + 2 * steps + 16)
         engine = llm.engine
-        params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=2 * steps + 8, ignore_eos=True)
         engine.add_request("profile", list(range(2, 2 + lens[0])), params)
         for _ in range(4):
             engine.step()  # prefill, then decode steps: lazy set-up and first replays off the profile
         with StepOps() as ops:
             engine.step()
+        sync()
+        start = time.perf_counter()  # wall time unprofiled: the profiler slows the host down
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall = (time.perf_counter() - start) / steps
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - start) / steps
+            sync()
         events = prof.events()
         row: dict[str, Any] = {"wall_ms": 1e3 * wall, "ops": ops.total, "syncs": len(ops.syncs)}
         if device.type == "cuda":

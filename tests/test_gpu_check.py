@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_check
+from benchmarks import gpu_check_roofline as roofline
 from benchmarks import gpu_check_tables as tables
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,3 +130,13 @@ def test_gpu_test_counts_come_from_each_finished_test():
         "tests/test_cuda_kernels.py::test_engine_on_cuda_gives_the_cpu_tokens",
     ]
     assert counts["skip_reasons"] == ["needs a CUDA GPU"]
+
+
+def test_the_roofline_counts_the_experts_a_batch_picks():
+    w = {"dense": 1000, "routed_per_layer": 640, "moe_layers": 2, "n_routed": 64, "top_k": 6}
+    w |= {"layers": 3, "latent": 10}
+    # Batch 1: the dense bytes, 6 of 64 experts per MoE layer (10 bytes each), 8 cached tokens' latents.
+    assert roofline.step_bytes(w, 1, 8) == pytest.approx(1000 + 2 * 6 * 10 + 8 * 3 * 10 * 2)
+    # A large batch reads nearly every expert once, shared by all its tokens.
+    assert roofline.step_bytes(w, 4096, 0) == pytest.approx(1000 + 2 * 640)
+    assert roofline.roofline_tok_s(w, 1, 0, 1.12e-6) == pytest.approx(1.12e3 / 1120)
