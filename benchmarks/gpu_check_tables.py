@@ -16,6 +16,10 @@ def _num(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in [header, *rows])
@@ -91,9 +95,9 @@ def _decode(results: dict[str, Any], report: dict[str, Any], sizes: Any) -> tupl
     for dtype, w in weights.items():
         if isinstance(w, dict):
             lines.append(
-                f"{dtype} checkpoint: {w['total'] / 1e9:.2f} GB of weights; a batch-1 step reads "
-                f"{step_bytes(w, 1, context) / 1e9:.3f} GB (dense {w['dense'] / 1e9:.3f} GB + "
-                f"{w['top_k']} of {w['n_routed']} experts per MoE layer + the latent cache)"
+                f"{dtype} checkpoint: {_gb(w['total'])} of weights; a batch-1 step reads "
+                f"{_gb(step_bytes(w, 1, context))} (dense {_gb(w['dense'])} + {w['top_k']} of "
+                f"{w['n_routed']} experts per MoE layer + the latent cache)"
             )
     lines.append(
         f"{sizes.lens[0]} in / {sizes.lens[1]} out; tok/s = B / mean time per output token, median of "
@@ -128,7 +132,10 @@ def _profile(results: dict[str, Any], report: dict[str, Any], sizes: Any) -> tup
         [[m, *(_num(r[m].get(k), d) for _, k, d in columns)] for m in modes],
     )
     note = f"  {r['note']}" if "note" in r else ""
-    head = f"per step, mean of {sizes.profile_steps} profiled steps; ops and syncs: one step under StepOps"
+    head = (
+        f"per step, mean of {sizes.profile_steps} steps (wall time unprofiled, kernels profiled); ops and "
+        "syncs: one step under StepOps"
+    )
     return "\n".join([head, table, note]) if modes else note, [{"mode": m, **r[m]} for m in modes]
 
 
