@@ -140,7 +140,8 @@ def run_task(name: str, args: argparse.Namespace, save: Callable[[Any], None]) -
                 "grouped-gemm": ker.grouped_rows,
                 "mla-decode": ker.mla_rows,
             }
-            save({"rows": rows[name](device, quick, sizes.repeats)})
+            note = {} if device.type == "cuda" else {"note": "Triton skipped (it compiles for CUDA only)"}
+            save({"rows": rows[name](device, quick, sizes.repeats), **note})
     else:
         from benchmarks import gpu_check_decode as dec
 
@@ -318,7 +319,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     parts = {
         n: {
             "elapsed_s": p["elapsed_s"],
-            "table": short(p["table"]),
+            "table": [
+                short({k: v for k, v in row.items() if k not in ("ms_min", "ms_max")}) for row in p["table"]
+            ],
             "errors": {t: r["error"] for t, r in p["tasks"].items() if "error" in r},
         }
         for n, p in report["parts"].items()

@@ -156,7 +156,8 @@ def _kernels(results: dict[str, Any], report: dict[str, Any], sizes: Any) -> tup
             for r in rows
         ],
     )  # fmt: skip
-    return table, rows
+    notes = sorted({f"  {r['note']}: the CPU paths ran" for r in results.values() if "note" in r})
+    return "\n".join([table, *notes]), rows
 
 
 def pytest_counts(output: str) -> dict[str, Any]:

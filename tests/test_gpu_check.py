@@ -81,6 +81,7 @@ def test_what_needs_cuda_says_it_was_skipped(quick_run):
     assert profile["ops"] > 0 and profile["wall_ms"] > 0
     impls = {r["kernel"]: r["impl"] for r in full["parts"]["4"]["table"]}
     assert impls["fp8_gemm"] == "torch reference"  # no FP8 Triton without CUDA
+    assert "Triton skipped (it compiles for CUDA only): the CPU paths ran" in stdout
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:
