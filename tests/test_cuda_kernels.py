@@ -70,7 +70,11 @@ def test_engine_on_cuda_gives_the_cpu_tokens(tmp_path):
     prompts = [[5, 6, 7, 8, 9], [3] * 11, [9, 10]]
     cpu_model = load_model(path)
     expected = [generate(cpu_model, p, 12, 0.0) for p in prompts]
-    with LLM(str(path), dtype="float32", kv_cache_memory=4_000_000) as llm:
+    # Few graph buckets: the defaults (compile and graphs for every bucket up to 256 sequences) would
+    # spend minutes at start-up on what three prompts never use.
+    with LLM(
+        str(path), dtype="float32", kv_cache_memory=4_000_000, max_num_seqs=8, cuda_graph_sizes=[1, 4]
+    ) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
     # Random tiny models have near-tied logits; TF32 attention may flip a late tie, never most tokens.
