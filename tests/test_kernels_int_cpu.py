@@ -116,6 +116,19 @@ def test_w8a8_kernel_equals_the_reference_bit_for_bit(counts, n, k, group, isa_p
     assert torch.equal(out, expected)
 
 
+def test_w8a8_with_a_given_row_amax_quantizes_with_it(isa_path):
+    """A tensor-parallel slice quantized with its whole row's amax: the kernel and the reference agree to
+    the bit, and the codes are the whole row's (not the slice's own)."""
+    whole = torch.randn(5, 64)
+    whole[:, 40] *= 8  # the row's amax lies outside the first half
+    x, amax = whole[:, :32].contiguous(), whole.abs().amax(-1)
+    q, s = int8_ref.int8_weight_quant_ref(torch.randn(24, 32))
+    offsets = torch.tensor([0, 5])
+    out = int_linear_cpu.w8a8_linear_cpu(x, q[None], s[None], offsets, row_amax=amax)
+    assert torch.equal(out, int8_ref.w8a8_linear_ref(x, q, s, amax))
+    assert not torch.equal(out, int8_ref.w8a8_linear_ref(x, q, s))
+
+
 def test_bf16_rows_are_computed_in_fp32_and_returned_in_bf16(isa_path):
     x, w, offsets = _stacks([3], 16, 256, seed=5)
     q, s = int8_ref.int8_weight_quant_ref(w[0])

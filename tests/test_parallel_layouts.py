@@ -28,10 +28,9 @@ REQUESTS = [
     dict(id=2, prompt=[9, 10], max_new_tokens=16, temperature=0.8, seed=3),
 ]
 # The options that change the numbers, three per run to keep the launch short: weights quantized at load
-# ("quantization") and engine options ("engine"). Each is on dp2 and pp2; on tp2 all but W8A8 and INT4,
-# whose scales come from each rank's slice of a row-parallel input (W8A8's per-token activation scales;
-# INT4's groups, when a slice cuts one: these tiny projections are narrower than a group), so under TP
-# they are not one process's numbers.
+# ("quantization") and engine options ("engine"). Each is on dp2 and pp2; on tp2 all but INT4, whose
+# groups a row-parallel slice cuts (these tiny projections are narrower than a group), so under TP it is
+# not one process's numbers. W8A8 is: a row-parallel rank quantizes its slice with the whole row's amax.
 VARIANTS = {
     "int8+kv-fp8": {"quantization": "int8", "engine": {"kv_cache_dtype": "fp8"}},
     "w8a8+window": {"quantization": "w8a8", "engine": {"attention": {"window": 6}}},
@@ -40,7 +39,7 @@ VARIANTS = {
     "topk": {"engine": {"attention": {"topk_blocks": 2}}},
 }
 VARIANTS_ON = {
-    "tp2": ([2, 1, 1], ["int8+kv-fp8", "window", "topk"]),
+    "tp2": ([2, 1, 1], ["int8+kv-fp8", "w8a8+window", "topk"]),
     "dp2": ([1, 2, 1], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
     "pp2": ([1, 1, 2], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
 }

@@ -110,6 +110,8 @@ def test_w8a8_triton_equals_reference(tri, m, n, k):
     q, s = int8_ref.int8_weight_quant_ref(_weights(n, k, seed=n + 1))
     x = _randn(m, k, seed=m + 1)
     assert torch.equal(tri[0].w8a8_linear_triton(x, q, s), int8_ref.w8a8_linear_ref(x, q, s))
+    amax = x.abs().amax(-1) * 1.5  # as a wider row's amax would be
+    assert torch.equal(tri[0].w8a8_linear_triton(x, q, s, amax), int8_ref.w8a8_linear_ref(x, q, s, amax))
 
 
 def test_w8a8_reference_is_the_dequantized_product():

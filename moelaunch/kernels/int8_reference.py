@@ -16,10 +16,11 @@ INT8_MAX = 127.0
 INT8_AMAX_FLOOR = 1e-8
 
 
-def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric int8 per row of x [..., K]: (int8 [..., K], fp32 scale [...]) with |error| <= scale / 2."""
+def _quantize_rows(x: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Symmetric int8 per row of x [..., K]: (int8 [..., K], fp32 scale [...]) with |error| <= scale / 2;
+    amax [...]: each row's amax to use instead of its own (a slice quantized with its whole row's scale)."""
     x = x.float()
-    s = x.abs().amax(dim=-1).clamp_min(INT8_AMAX_FLOOR) / INT8_MAX
+    s = (x.abs().amax(dim=-1) if amax is None else amax.float()).clamp_min(INT8_AMAX_FLOOR) / INT8_MAX
     q = torch.round(x / s.unsqueeze(-1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, s
 
@@ -29,9 +30,9 @@ def int8_weight_quant_ref(w: Tensor) -> tuple[Tensor, Tensor]:
     return _quantize_rows(w)
 
 
-def int8_act_quant_ref(x: Tensor) -> tuple[Tensor, Tensor]:
+def int8_act_quant_ref(x: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [..., K] -> (int8 [..., K], fp32 scale [...]): one scale per token, amax / 127."""
-    return _quantize_rows(x)
+    return _quantize_rows(x, amax)
 
 
 def int8_dequant_ref(q: Tensor, s: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
@@ -55,7 +56,8 @@ def int8_gemm_ref(a: Tensor, a_s: Tensor, b: Tensor, b_s: Tensor, out_dtype: tor
     return out.to(out_dtype).reshape(*a.shape[:-1], b.shape[0])
 
 
-def w8a8_linear_ref(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
-    """W8A8: quantize x per token, int8 GEMM with int32 accumulation, then both scales; x's dtype out."""
-    x_q, x_s = int8_act_quant_ref(x)
+def w8a8_linear_ref(x: Tensor, q: Tensor, s: Tensor, amax: Tensor | None = None) -> Tensor:
+    """W8A8: quantize x per token (with amax [...] per token when given), int8 GEMM with int32
+    accumulation, then both scales; x's dtype out."""
+    x_q, x_s = int8_act_quant_ref(x, amax)
     return int8_gemm_ref(x_q, x_s, q, s, x.dtype)

@@ -107,16 +107,20 @@ def int8_linear_triton(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
 
 
 @triton.jit
-def _int8_act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _int8_act_quant_kernel(
+    x_ptr, amax_ptr, q_ptr, s_ptr, M, K, ROWS: tl.constexpr, BLOCK: tl.constexpr, AMAX_GIVEN: tl.constexpr
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_ok = rows < M
-    # Two passes over the row: its amax first, then the quantized values.
-    amax = tl.zeros((ROWS,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
-        x = tl.load(x_ptr + rows[:, None] * K + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    if AMAX_GIVEN:  # the whole row's amax, for a tensor-parallel slice of it
+        amax = tl.load(amax_ptr + rows, mask=row_ok, other=0.0)
+    else:  # two passes over the row: its amax first, then the quantized values
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            mask = row_ok[:, None] & ((k0 + cols) < K)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * K + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     # div_rn: IEEE division, as torch's (a GPU's default fp32 `/` is approximate).
     s = tl.div_rn(tl.maximum(amax, _AMAX_FLOOR), _INT8_MAX)
     for k0 in range(0, K, BLOCK):
@@ -128,13 +132,17 @@ def _int8_act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, ROWS: tl.constexpr, BLOCK:
     tl.store(s_ptr + rows, s, mask=row_ok)
 
 
-def int8_act_quant_triton(x: Tensor) -> tuple[Tensor, Tensor]:
+def int8_act_quant_triton(x: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
     k = x.shape[-1]
     x2 = x.reshape(-1, k).contiguous()
     m = x2.shape[0]
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     s = torch.empty(m, dtype=torch.float32, device=x.device)
-    _int8_act_quant_kernel[(triton.cdiv(m, ACT_ROWS),)](x2, q, s, m, k, ROWS=ACT_ROWS, BLOCK=ACT_BLOCK)
+    given = amax is not None
+    rows_amax = amax.reshape(m).float().contiguous() if given else s  # s: a placeholder, never read
+    _int8_act_quant_kernel[(triton.cdiv(m, ACT_ROWS),)](
+        x2, rows_amax, q, s, m, k, ROWS=ACT_ROWS, BLOCK=ACT_BLOCK, AMAX_GIVEN=given
+    )
     return q.reshape(x.shape), s.reshape(x.shape[:-1])
 
 
@@ -202,6 +210,6 @@ def int8_gemm_triton(a: Tensor, a_s: Tensor, b: Tensor, b_s: Tensor, out_dtype: 
     return c.to(out_dtype).reshape(*a.shape[:-1], n)
 
 
-def w8a8_linear_triton(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
-    x_q, x_s = int8_act_quant_triton(x)
+def w8a8_linear_triton(x: Tensor, q: Tensor, s: Tensor, amax: Tensor | None = None) -> Tensor:
+    x_q, x_s = int8_act_quant_triton(x, amax)
     return int8_gemm_triton(x_q, x_s, q, s, x.dtype)

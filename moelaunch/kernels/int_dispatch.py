@@ -73,13 +73,15 @@ def int8_act_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     return fn(x)
 
 
-def w8a8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
-    """W8A8: x quantized per token, int8 GEMM with int32 accumulation, then token and channel scales."""
+def w8a8_linear(x: Tensor, q: Tensor, s: Tensor, amax: Tensor | None = None) -> Tensor:
+    """W8A8: x quantized per token, int8 GEMM with int32 accumulation, then token and channel scales;
+    amax [...] (x's leading shape, fp32): each token's amax to quantize with instead of its own."""
     if use_triton(x):
-        return _int8_triton().w8a8_linear_triton(x, q, s)
+        return _int8_triton().w8a8_linear_triton(x, q, s, amax)
     if int_linear_on_cpu(x):
-        return _as_one_group(int_cpu.w8a8_linear_cpu, x, q, s)
-    return int8_ref.w8a8_linear_ref(x, q, s)
+        rows = None if amax is None else amax.reshape(-1).float().contiguous()
+        return _as_one_group(functools.partial(int_cpu.w8a8_linear_cpu, row_amax=rows), x, q, s)
+    return int8_ref.w8a8_linear_ref(x, q, s, amax)
 
 
 def w8a8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor) -> Tensor:

@@ -28,10 +28,13 @@ def int8_linear_cpu(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor) -> Ten
     return cast_if_needed(out, x.dtype)
 
 
-def w8a8_linear_cpu(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor) -> Tensor:
-    """As int8_linear_cpu with x quantized to int8 per row first and int32 dot products (W8A8)."""
+def w8a8_linear_cpu(
+    x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, row_amax: Tensor | None = None
+) -> Tensor:
+    """As int8_linear_cpu with x quantized to int8 per row first and int32 dot products (W8A8);
+    row_amax [T]: each row's amax to quantize with, instead of its own."""
     out = cpu_extension.require().w8a8_linear_cpu(
-        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), int_kernel_path()
+        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), int_kernel_path(), row_amax
     )
     return cast_if_needed(out, x.dtype)
 

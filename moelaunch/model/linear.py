@@ -51,7 +51,8 @@ class Linear(nn.Module):
         self.weight_zero_point = tensors.get("weight_zero_point")
         self.quant = quant
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, act_amax: torch.Tensor | None = None) -> torch.Tensor:
+        """act_amax (W8A8 only): each row's amax to quantize x with, when x is a slice of wider rows."""
         if self.weight.dtype == torch.float8_e4m3fn:
             assert self.weight_scale_inv is not None, "FP8 weight loaded without its weight_scale_inv"
             return kernels.fp8_linear(x, self.weight, self.weight_scale_inv)
@@ -62,7 +63,7 @@ class Linear(nn.Module):
                 x, self.weight, self.weight_scale, self.weight_zero_point, self.quant.group_size
             )
         if self.quant.quantize_activations:
-            return kernels.w8a8_linear(x, self.weight, self.weight_scale)
+            return kernels.w8a8_linear(x, self.weight, self.weight_scale, act_amax)
         return kernels.int8_linear(x, self.weight, self.weight_scale)
 
     def is_plain(self) -> bool:

@@ -31,7 +31,12 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x))
+        amax = None
+        if self.quant is not None and self.quant.quantize_activations:
+            # W8A8: each rank holds a slice of every row; quantized with the whole row's scale, the
+            # products sum to what one process computes.
+            amax = self.group.all_reduce_max(x.float().abs().amax(dim=-1))
+        return self.group.all_reduce(super().forward(x, amax))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -21,7 +21,7 @@ torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
                               torch::Tensor offsets, int64_t group_size, int64_t path);
 torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
-                              int64_t path);
+                              int64_t path, c10::optional<torch::Tensor> row_amax);
 int64_t int_kernel_best_path();
 std::vector<torch::Tensor> moe_route_cpu(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t top_k,
                                          int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize,
@@ -47,7 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Integer weights (int_linear_cpu.cpp); `path`: 0 scalar, 1 AVX2, 2 AVX-512, -1 the best built.
   m.def("int8_linear_cpu", &int8_linear_cpu, "x @ (q * scale)^T per group of rows, int8 weights");
   m.def("int4_linear_cpu", &int4_linear_cpu, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");
-  m.def("w8a8_linear_cpu", &w8a8_linear_cpu, "int8 x (quantized per row) @ int8 q^T, both scales");
+  m.def("w8a8_linear_cpu", &w8a8_linear_cpu, "int8 x (quantized per row) @ int8 q^T, both scales", py::arg("x"),
+        py::arg("q"), py::arg("scale"), py::arg("offsets"), py::arg("path"), py::arg("row_amax") = py::none());
   m.def("int_kernel_best_path", &int_kernel_best_path, "the fastest integer-kernel path this build has");
   m.def("moe_route_cpu", &moe_route_cpu, "MoE router after its GEMM: scores, groups, top-k, weights");
   m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, "(token, expert) pairs sorted by expert, their rows gathered");

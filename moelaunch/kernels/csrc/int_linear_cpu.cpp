@@ -352,13 +352,20 @@ torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tens
 }
 
 // W8A8: x [T, K] fp32 quantized per row (amax / 127, round half to even), q [G, N, K] int8, scale [G, N].
+// row_amax [T] fp32, when given, is each row's amax to use instead of its own (a tensor-parallel slice
+// quantized with the whole row's scale).
 torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
-                              int64_t path) {
+                              int64_t path, c10::optional<torch::Tensor> row_amax) {
   check_common(x, q, offsets);
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.size(2) == x.size(1), "q must be int8 [G, N, K]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == q.size(0) * q.size(1),
               "scale must be fp32 [G, N]");
   const int64_t rows = x.size(0), n = q.size(1), k = q.size(2);
+  const bool given = row_amax.has_value() && row_amax->defined();
+  TORCH_CHECK(!given || (row_amax->scalar_type() == torch::kFloat32 && row_amax->is_contiguous() &&
+                         row_amax->numel() == rows),
+              "row_amax must be a contiguous fp32 [T]");
+  const float* given_amax = given ? row_amax->data_ptr<float>() : nullptr;
   const float* xf = x.data_ptr<float>();
   std::vector<int8_t> xq(rows * k);
   std::vector<uint8_t> xu(rows * k);
@@ -366,7 +373,11 @@ torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
   std::vector<float> xs(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float amax = 0.f;
-    for (int64_t t = 0; t < k; ++t) amax = std::max(amax, std::fabs(xf[r * k + t]));
+    if (given_amax != nullptr) {
+      amax = given_amax[r];
+    } else {
+      for (int64_t t = 0; t < k; ++t) amax = std::max(amax, std::fabs(xf[r * k + t]));
+    }
     // As int8_reference._quantize_rows: the same fp32 operations, so the same codes.
     xs[r] = std::max(amax, 1e-8f) / 127.f;
     for (int64_t t = 0; t < k; ++t) {
