@@ -516,24 +516,58 @@ def test_model_args_of_a_checkpoint_size_the_cache(checkpoint):
     assert means == 4 * 2 * (16 + 8) * 4 + 2 * (16 + 8) * 4  # top-k keeps one fp32 mean per block and layer
 
 
+def _selection_case(rows: int):
+    g = torch.Generator().manual_seed(11)
+    args = latent_args(32, 8)
+    cache = PagedLatentCache(args, 40, 4, [0], sparse=SparseAttention(topk_blocks=3))
+    cache.store(0, torch.arange(40 * 4), _latents(g, (40 * 4,), 32, 8))
+    tables = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(rows)])
+    seq_lens = torch.randint(20, 48, (rows,), generator=g)
+    q_latent, q_pe = torch.randn(rows, 4, 32, generator=g), torch.randn(rows, 4, 8, generator=g)
+    return cache, q_latent, q_pe, tables, seq_lens
+
+
+def _count_slices(monkeypatch, cache) -> list[int]:
+    sizes = []
+    scored = cache._scored_slices
+
+    def counted(*a):
+        for rows, scores in scored(*a):
+            sizes.append(scores.shape[0])
+            yield rows, scores
+
+    monkeypatch.setattr(cache, "_scored_slices", counted)
+    return sizes
+
+
 def test_topk_selection_a_few_rows_at_a_time_equals_all_at_once(monkeypatch):
     """A long prompt's every token selects its blocks: the selection runs over bounded slices of rows
     (it once took 27 GB for one 8K step at 32K), with the rows' choices unchanged."""
     from moelaunch.model import kv_cache
 
-    g = torch.Generator().manual_seed(11)
-    args = latent_args(32, 8)
-    cache = PagedLatentCache(args, 40, 4, [0], sparse=SparseAttention(topk_blocks=3))
-    cache.store(0, torch.arange(40 * 4), _latents(g, (40 * 4,), 32, 8))
-    rows = 9
-    tables = torch.stack([torch.randperm(40, generator=g)[:12] for _ in range(rows)])
-    seq_lens = torch.randint(20, 48, (rows,), generator=g)
-    q_latent, q_pe = torch.randn(rows, 4, 32, generator=g), torch.randn(rows, 4, 8, generator=g)
+    cache, q_latent, q_pe, tables, seq_lens = _selection_case(rows=9)
     whole = cache._select_blocks(0, q_latent, q_pe, tables, seq_lens, 3)
     monkeypatch.setattr(kv_cache, "SELECT_BYTES", 1)  # one row at a time
-    slices = []
-    score = cache._best_head_scores
-    monkeypatch.setattr(cache, "_best_head_scores", lambda *a: slices.append(a[1].shape[0]) or score(*a))
+    slices = _count_slices(monkeypatch, cache)
     sliced = cache._select_blocks(0, q_latent, q_pe, tables, seq_lens, 3)
-    assert slices == [1] * rows  # bounded: never every row's means at once
+    assert slices == [1] * 9  # bounded: never every row's means at once
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced, strict=True))
+
+
+def test_topk_rows_sharing_a_table_select_as_rows_with_their_own_copy(monkeypatch):
+    """A prompt's tokens share their sequence's table: scored against its block means gathered once
+    (one product per slice, no [rows, blocks] table copy), they choose what each row would choose with
+    its own copy of the table, in slices that never cross from one table to the next."""
+    from moelaunch.model import kv_cache
+
+    cache, q_latent, q_pe, tables, _ = _selection_case(rows=9)
+    runs = [4, 1, 4]
+    shared = tables[[0, 4, 5]]
+    seq_lens = torch.tensor([30, 31, 32, 33, 48, 21, 22, 23, 24])
+    copies = shared.repeat_interleave(torch.tensor(runs), dim=0)
+    own = cache._select_blocks(0, q_latent, q_pe, copies, seq_lens, 3)
+    monkeypatch.setattr(kv_cache, "SELECT_BYTES", 3 * 11 * 4 * 4)  # three rows' scores at a time
+    slices = _count_slices(monkeypatch, cache)
+    by_run = cache._select_blocks(0, q_latent, q_pe, shared, seq_lens, 3, runs)
+    assert slices == [3, 1, 1, 3, 1]
+    assert all(torch.equal(a, b) for a, b in zip(own, by_run, strict=True))

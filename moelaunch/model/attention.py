@@ -200,7 +200,7 @@ class MLA(nn.Module):
         else:
             q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
         out_latent = layout.cache.decode(
-            layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale
+            layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale, decodes.rows_per_table
         )
         if heads_kernel:
             return per_head_linear(out_latent, uv)

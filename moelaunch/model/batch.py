@@ -42,8 +42,11 @@ class DecodeRows:
     spans: list[int]  # indices into BatchLayout.spans, all of whose tokens are rows here
     rows: torch.Tensor  # [R] their token rows
     seq_lens: torch.Tensor  # [R] cached tokens each attends over, its own included
-    block_tables: torch.Tensor  # [R, max_blocks]
+    block_tables: torch.Tensor  # [R, max_blocks], or one per run of rows_per_table
     every_row: bool  # the pass is decodes only, rows == 0..N-1 (no gather or scatter needed)
+    # Multi-token spans: their rows in runs that share one table each, so that a long prompt's tokens
+    # do not each copy the whole table. None: one table per row.
+    rows_per_table: list[int] | None = None
 
 
 @dataclass
@@ -83,9 +86,9 @@ class BatchLayout:
             tables = self.block_tables if every_row else self.block_tables[torch.tensor(spans, device=device)]
             return DecodeRows(spans, rows, seq_lens, tables, every_row)
         rows = torch.cat([torch.arange(s.offset, s.offset + s.length) for s in chosen]).to(device)
-        lengths = torch.tensor([s.length for s in chosen])
-        span_of_row = torch.repeat_interleave(torch.tensor(spans), lengths).to(device)
-        return DecodeRows(spans, rows, self.positions[rows] + 1, self.block_tables[span_of_row], every_row)
+        tables = self.block_tables[torch.tensor(spans, device=device)]
+        lengths = [s.length for s in chosen]
+        return DecodeRows(spans, rows, self.positions[rows] + 1, tables, every_row, lengths)
 
     def _topk_cuts_a_prompt(self) -> bool:
         """Whether top-k block attention is on and could drop blocks of a multi-token span (one whose

@@ -11,7 +11,7 @@ query sees; both of its modes are approximations of the model's full attention.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -170,8 +170,11 @@ class PagedLatentCache:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        rows_per_table: list[int] | None = None,
     ) -> torch.Tensor:
-        """Absorbed-form attention of single query rows over their cached sequences: [R, H, C]."""
+        """Absorbed-form attention of single query rows over their cached sequences: [R, H, C].
+        rows_per_table: the rows come in runs sharing one table (a prompt's tokens), block_tables holding
+        one row per run; None: one table per row."""
         i = self.slot_of_layer[layer]
         # The table's width bounds every row's length on the host: when no row can reach past the window
         # or hold more than K full blocks, attention is full and takes the exact unlimited path.
@@ -181,7 +184,12 @@ class PagedLatentCache:
         if window is not None and longest - 1 > window:
             starts = (seq_lens - 1 - window).clamp(min=0)
         if topk is not None and block_tables.shape[1] - 1 > topk:
-            block_tables, seq_lens = self._select_blocks(i, q_latent, q_pe, block_tables, seq_lens, topk)
+            block_tables, seq_lens = self._select_blocks(
+                i, q_latent, q_pe, block_tables, seq_lens, topk, rows_per_table
+            )
+        elif rows_per_table is not None:
+            counts = torch.tensor(rows_per_table, device=block_tables.device)
+            block_tables = block_tables.repeat_interleave(counts, dim=0)
         scales = self.scales[i] if self.scales is not None else None
         cache = self.pool[i]
         return kernels.paged_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, scales, starts)
@@ -194,37 +202,63 @@ class PagedLatentCache:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         k: int,
+        rows_per_table: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's K best full blocks (in position order) then its latest block, as a compacted block
         table [R, K + 1] and the lengths it covers. Positions need not be contiguous: RoPE is already in
         the cached k_pe, so attention over the kept tokens is the same wherever they sit."""
         n_full = (seq_lens.long() - 1) // self.block_size  # the row's query sits in block n_full
-        candidates = block_tables[:, :-1].long()
-        # Rows a few at a time: a prompt's every token selects its own blocks, and its rows' gathered
-        # means ([rows, blocks, C + P]) and scores ([rows, heads, blocks]) would not fit at long lengths.
-        per_row = candidates.shape[1] * (self.block_means.shape[-1] + q_latent.shape[1]) * 4
-        step = max(1, SELECT_BYTES // max(per_row, 1))
-        best = [
-            self._best_head_scores(i, q_latent[r : r + step], q_pe[r : r + step], candidates[r : r + step])
-            for r in range(0, candidates.shape[0], step)
-        ]
-        scores = torch.cat(best) if len(best) != 1 else best[0]
-        column = torch.arange(candidates.shape[1], device=candidates.device)
-        scores = self.heads_max(scores).masked_fill(column[None, :] >= n_full[:, None], float("-inf"))
-        # Real blocks outrank the -inf ones, so a row with at most K full blocks keeps them all, in front.
-        chosen = scores.topk(k, dim=1).indices.sort(dim=1).values
+        column = torch.arange(block_tables.shape[1] - 1, device=block_tables.device)
+        chosen = []
+        # Rows a few at a time: a prompt's every token selects its own blocks, and all of its rows'
+        # scores ([rows, heads, blocks]) would not fit at long lengths.
+        for rows, scores in self._scored_slices(i, q_latent, q_pe, block_tables, rows_per_table):
+            visible = column[None, :] < n_full[rows, None]
+            scores = self.heads_max(scores).masked_fill(~visible, float("-inf"))
+            # Real blocks outrank the -inf ones, so a row with at most K full blocks keeps them all.
+            chosen.append(scores.topk(k, dim=1).indices.sort(dim=1).values)
+        chosen = torch.cat(chosen) if len(chosen) != 1 else chosen[0]
         kept = n_full.clamp(max=k)
-        slot = torch.arange(k + 1, device=candidates.device)[None, :]
+        slot = torch.arange(k + 1, device=block_tables.device)[None, :]
         padded = torch.cat([chosen, chosen[:, :1]], dim=1)  # the last column always takes n_full
         columns = torch.where(slot < kept[:, None], padded, n_full[:, None])
-        tables = block_tables.long().gather(1, columns)
+        if rows_per_table is None:
+            tables = block_tables.long().gather(1, columns)
+        else:  # index the runs' tables without a [rows, blocks] copy of them
+            counts = torch.tensor(rows_per_table, device=block_tables.device)
+            table_of_row = torch.arange(len(rows_per_table), device=counts.device).repeat_interleave(counts)
+            tables = block_tables.long()[table_of_row[:, None], columns]
         return tables, seq_lens - (n_full - kept) * self.block_size
 
-    def _best_head_scores(
-        self, i: int, q_latent: torch.Tensor, q_pe: torch.Tensor, candidates: torch.Tensor
-    ) -> torch.Tensor:
-        """[R, B]: each row's best head score against each candidate block's mean latent."""
-        means = self.block_means[i, candidates]  # [R, B, C + P]; past a row's n_full: masked by the caller
-        scores = torch.einsum("rhc,rbc->rhb", q_latent.float(), means[..., : self.kv_rank])
-        scores = scores + torch.einsum("rhp,rbp->rhb", q_pe.float(), means[..., self.kv_rank :])
-        return scores.amax(dim=1)
+    def _scored_slices(
+        self,
+        i: int,
+        q_latent: torch.Tensor,
+        q_pe: torch.Tensor,
+        block_tables: torch.Tensor,
+        rows_per_table: list[int] | None,
+    ) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(rows, [rows, blocks] best head score against each candidate block's mean latent), over
+        slices of at most SELECT_BYTES of working memory. Rows that share a table (a prompt's tokens) are
+        scored against its means gathered once, as one product; others each against their own."""
+        candidates = block_tables[:, :-1].long()
+        heads, width = q_latent.shape[1], self.block_means.shape[-1]
+        if rows_per_table is None:  # per row: its gathered means and its scores
+            step = max(1, SELECT_BYTES // max(candidates.shape[1] * (width + heads) * 4, 1))
+            for r in range(0, candidates.shape[0], step):
+                rows = slice(r, r + step)
+                means = self.block_means[i, candidates[rows]]  # [R, B, C + P]
+                scores = torch.einsum("rhc,rbc->rhb", q_latent[rows].float(), means[..., : self.kv_rank])
+                scores = scores + torch.einsum("rhp,rbp->rhb", q_pe[rows].float(), means[..., self.kv_rank :])
+                yield rows, scores.amax(dim=1)
+            return
+        step = max(1, SELECT_BYTES // max(candidates.shape[1] * heads * 4, 1))
+        first = 0
+        for table, n_rows in zip(candidates, rows_per_table, strict=True):
+            means = self.block_means[i, table]  # [B, C + P], once for every row of the run
+            latent_t, pe_t = means[:, : self.kv_rank].T, means[:, self.kv_rank :].T
+            for r in range(first, first + n_rows, step):
+                rows = slice(r, min(r + step, first + n_rows))
+                scores = q_latent[rows].float() @ latent_t + q_pe[rows].float() @ pe_t  # [R, H, B]
+                yield rows, scores.amax(dim=1)
+            first += n_rows
