@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,8 +114,69 @@ def test_rounds_draw_fresh_prompts():
     ("args", "says"),
     [(["--input-len", "100000"], "exceed the model's"),
      (["--vllm-venv", "/nowhere"], "--vllm-venv /nowhere: no bin/python"),
-     (["--expert-load-out", "x.json"], "--expert-load-out needs --expert-load")],
+     (["--expert-load-out", "x.json"], "--expert-load-out needs --expert-load"),
+     (["--expert-load", "--expert-load-out", "x.json", "--dtype", "float32,bfloat16"], "give one --dtype")],
 )  # fmt: skip
 def test_bad_bench_options_fail_before_anything_runs(bench_model, capsys, args, says):
     assert main(["bench", "--model", str(bench_model), *args]) == 1
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtypes", ["float16", "bfloat16,bfloat16", ""])
+def test_dtype_list_names_the_choices(bench_model, capsys, dtypes):
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", str(bench_model), "--dtype", dtypes])
+    assert "give one or more of float32, bfloat16, comma-separated, each once" in capsys.readouterr().err
+
+
+def test_both_dtypes_run_every_system_in_that_dtype(bench_model, tmp_path, capsys):
+    """`--dtype float32,bfloat16`: one run per dtype, each with its tables; transformers loads that dtype
+    and vLLM is asked for it with the MLA backend it needs (its AMX backend refuses fp32). The header names
+    the CPU and the instruction sets that choose the kernels."""
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    fake = tmp_path / "venv" / "bin" / "python"  # records the spec vLLM would get, then fails
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f'#!/bin/sh\ncp "$2" "{specs}/$(ls {specs} | wc -l).json"\nexit 3\n')
+    fake.chmod(0o755)
+    argv = ["bench", "--model", str(bench_model), "--workload", "latency", "--batch-sizes", "1"]
+    argv += ["--input-len", "8", "--output-len", "2", "--compare", "--vllm-venv", str(fake.parent.parent)]
+    assert main([*argv, "--dtype", "float32,bfloat16"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])["dtypes"]
+    assert list(result) == ["float32", "bfloat16"] and "\nfloat32:\n" in out and "\nbfloat16:\n" in out
+    for dtype, run in result.items():
+        assert run["systems"]["moelaunch"]["dtype"] == run["systems"]["transformers"]["dtype"] == dtype
+        assert set(run["results"]) == {"moelaunch", "transformers"}
+        assert "exited with code 3" in run["systems"]["vllm"]["error"]
+    sent = [json.loads((specs / f"{i}.json").read_text()) for i in range(2)]
+    asked = [(s["dtype"], s["attention_backend"]) for s in sent]
+    assert asked == [("float32", "CPU_MLA"), ("bfloat16", None)]
+    machine = result["float32"]["machine"]
+    assert out.startswith(f"machine: {machine['cpu']}, {machine['cpus']} cores (")
+    if "avx2" in Path("/proc/cpuinfo").read_text():
+        assert "avx2" in machine["flags"]
+
+
+def test_vllm_script_passes_dtype_and_backend(monkeypatch, tmp_path, capsys):
+    """The script that runs inside vLLM's venv hands the dtype and the backend to vllm.LLM."""
+    import types
+
+    from moelaunch.measure.bench import vllm_script
+
+    made = []
+
+    class FakeLLM:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+            self.llm_engine = None
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM, __version__="0"))
+    base = {"model": "m", "max_model_len": 8, "max_num_batched_tokens": 8, "max_num_seqs": 1}
+    base |= {"kv_cache_memory": 1, "cases": []}
+    for dtype, backend in (("float32", "CPU_MLA"), ("bfloat16", None)):
+        spec = tmp_path / f"{dtype}.json"
+        spec.write_text(json.dumps({**base, "dtype": dtype, "attention_backend": backend}))
+        vllm_script.main(str(spec))
+    assert [m["dtype"] for m in made] == ["float32", "bfloat16"]
+    assert made[0]["attention_backend"] == "CPU_MLA" and "attention_backend" not in made[1]

@@ -37,18 +37,24 @@ LOCK_POLL_S = 0.5
 GUARD_FILE = "moelaunch-build.guard"
 
 
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        line = next(line for line in lines if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return frozenset()
+    return frozenset(line.split(":", 1)[1].split())
+
+
 def _build_tag() -> str:
     # -march=native code must not be reused on a machine with other instructions, nor a build of older
     # sources, nor one compiled against another torch: torch writes its include paths (the venv's) into the
     # build, so two venvs sharing one name would rebuild it in turn. The name carries a digest of all three.
     from torch.utils.cpp_extension import include_paths
 
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        flags = next(line for line in lines if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    digest = hashlib.sha1(flags.encode())
+    digest = hashlib.sha1(" ".join(sorted(cpu_flags())).encode())
     digest.update("\n".join([torch.__version__, *include_paths()]).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.read_bytes())

@@ -21,6 +21,7 @@ import httpx
 from moelaunch.launcher.commands import count, fraction, rate, sampling_value
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.bench.tables import OURS, ratios_table, results_table
+from moelaunch.measure.machine import machine_line
 from moelaunch.model.checkpoint import check_empty_destination
 from moelaunch.model.config import load_args
 from moelaunch.model.expert_load_file import write_expert_load
@@ -35,6 +36,19 @@ def _sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError("batch sizes must be >= 1")
     return sizes
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    dtypes = tuple(text.split(","))
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown or len(set(dtypes)) != len(dtypes):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give one or more of {', '.join(DTYPES)}, comma-separated, each once"
+        )
+    return dtypes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -76,7 +90,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run every case this many times (this engine and vLLM alternating) and report medians",
     )
     p.add_argument(
-        "--dtype", choices=["float32", "bfloat16"], default="float32", help="this engine's weights"
+        "--dtype",
+        type=_dtypes,
+        default=("float32",),
+        help="every system's weights: float32, bfloat16, or both (float32,bfloat16: one run after the "
+        "other, each with its tables); vLLM runs with the MLA backend the dtype needs",
     )
     p.add_argument(
         "--quantization", choices=QUANTIZATIONS, default="none", help="this engine's projections, at load"
@@ -175,6 +193,8 @@ def check_bench_args(args: argparse.Namespace) -> None:
                 "--expert-load-out needs --expert-load (the engine records the counts it writes)"
             )
         check_writable(args.expert_load_out, "--expert-load-out")
+        if len(args.dtype) > 1:
+            raise ValueError("--expert-load-out writes one run's counts: give one --dtype with it")
 
 
 def _print_expert_load(load: dict, out: Path | None) -> None:
@@ -205,6 +225,16 @@ def run(args: argparse.Namespace) -> int:
         print_step_profile(args.model, args.batch_sizes, args.threads, args.expert_load)
         return 0
     check_bench_args(args)
+    print(f"machine: {machine_line('cpu')}", flush=True)
+    results = {dtype: _run_one_dtype(args, dtype, len(args.dtype) > 1) for dtype in args.dtype}
+    result = results[args.dtype[0]] if len(results) == 1 else {"dtypes": results}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def _run_one_dtype(args: argparse.Namespace, dtype: str, titled: bool) -> dict:
     from moelaunch.measure.bench.suite import BenchOptions, run_suite
 
     opts = BenchOptions(
@@ -223,13 +253,15 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         threads=args.threads,
         rounds=args.rounds,
-        dtype=args.dtype,
+        dtype=dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         compile=args.compile,
         expert_load=args.expert_load,
     )
     result = run_suite(opts)
+    if titled:
+        print(f"\n{dtype}:")
     print(results_table(result["results"]))
     if args.expert_load:
         _print_expert_load(result["systems"][OURS]["expert_load"], args.expert_load_out)
@@ -239,7 +271,4 @@ def run(args: argparse.Namespace) -> int:
     for name, info in result["systems"].items():
         if "error" in info:
             print(f"\n{name}: not measured: {info['error']}")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result), flush=True)
-    return 0
+    return result

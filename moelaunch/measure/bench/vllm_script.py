@@ -74,7 +74,8 @@ def main(spec_path: str) -> None:
     llm = vllm.LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=spec["dtype"],
+        **({"attention_backend": spec["attention_backend"]} if spec["attention_backend"] else {}),
         enforce_eager=True,
         max_model_len=spec["max_model_len"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
