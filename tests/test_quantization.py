@@ -26,7 +26,7 @@ from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.model import CheckpointError, WeightSpec, load_args, load_model
 from moelaunch.model.linear import Linear
 from moelaunch.model.single_sequence import generate
-from moelaunch.parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.parallel.mesh import LayoutError, MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import MeshShard
 
 needs_interpreter = pytest.mark.skipif(
@@ -360,18 +360,26 @@ def test_quantized_model_through_triton_kernels_in_the_interpreter(dirs, method,
     assert (model(ids) - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
 
 
-def _tp2_shards(path: Path) -> list[torch.nn.Module]:
-    shape, args = MeshShape(tp=2), load_args(path)
-    return [load_model(path, shard=MeshShard(args, ParallelMesh.planned(shape, r, "cpu"))) for r in range(2)]
+def _tp_shards(weights: WeightSpec, tp: int = 2) -> list[torch.nn.Module]:
+    shape, args = MeshShape(tp=tp), load_args(weights.model)
+    return [
+        load_model(weights, shard=MeshShard(args, ParallelMesh.planned(shape, r, "cpu"))) for r in range(tp)
+    ]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4g16"])
-def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, method):
+@pytest.mark.parametrize(
+    ("checkpoint", "quantization"),
+    [("int8", "none"), ("int4", "none"), ("int4g16", "none"), ("orig", "int4")],
+)
+def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, checkpoint, quantization):
     """Each TP rank's projections (rows for column-parallel, input columns for row-parallel) dequantize to
-    exactly its slice of the single-process model's; int4 slices of input columns keep whole groups."""
-    whole = dict(load_model(dirs[method]).named_modules())
-    checked = 0
-    for shard in _tp2_shards(dirs[method]):
+    exactly its slice of the single-process model's: int4 slices of input columns narrower than a group
+    (o_proj's 64 -> 32, the experts' down_proj 32 -> 16) keep the whole rows' groups as local ones, read
+    from a converted checkpoint or quantized at load."""
+    weights = WeightSpec(str(dirs[checkpoint]), quantization=quantization)
+    whole = dict(load_model(weights).named_modules())
+    checked, narrower = 0, 0
+    for shard in _tp_shards(weights):
         for name, m in shard.named_modules():
             spec = getattr(m, "shard_spec", None)
             if not isinstance(m, Linear) or m.quant is None or spec is None:
@@ -379,15 +387,30 @@ def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, method):
             full = whole[name].dense_weight(torch.float32)
             assert torch.equal(
                 m.dense_weight(torch.float32), full.narrow(spec.dim, spec.start, spec.end - spec.start)
-            )
+            ), name
             checked += 1
+            narrower += m.quant.group_size < whole[name].quant.group_size
     assert checked > 10
+    assert (narrower > 0) == (quantization == "int4" or checkpoint == "int4")  # groups of 128
 
 
-def test_int4_shard_cutting_a_group_is_refused(dirs):
-    # o_proj's input (4 heads x 16 = 64) splits into 32-wide halves: not whole 128-column groups.
-    with pytest.raises(CheckpointError, match="not aligned to int4 groups of 128"):
-        _tp2_shards(dirs["int4"])
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_int4_slice_below_16_columns_per_group_is_refused(dirs, tmp_path, quantization):
+    """tp=4 cuts the experts' down_proj input (32 columns) into 8-column slices; the kernels need groups of
+    a multiple of 16, whether the groups come from a converted checkpoint or from quantizing at load."""
+    checkpoint = dirs["int4" if quantization == "none" else "orig"]
+    refusal = r"down_proj.*slice of 8 of 32 input columns \(tp=4\).*for which 32/tp is a multiple of 16"
+    with pytest.raises(CheckpointError, match=refusal):
+        _tp_shards(WeightSpec(str(checkpoint), quantization=quantization), tp=4)
+    config = tmp_path / "cluster.yaml"
+    cluster = {"devices_per_node": 4, "device": "cpu", "device_memory_gb": 1}
+    deployment = {"model": str(checkpoint), "quantization": quantization, "cluster": cluster}
+    config.write_text(yaml.safe_dump({**deployment, "parallel": {"tp": 4}}))
+    with pytest.raises(LayoutError, match="parallel.tp=4: .*" + refusal):  # before any model loads
+        build_plan(load_deploy_config(config))
+    cluster["devices_per_node"] = 2
+    config.write_text(yaml.safe_dump({**deployment, "parallel": {"tp": 2}}))
+    build_plan(load_deploy_config(config))  # 16-column groups: accepted
 
 
 # --- options, plan and errors -------------------------------------------------------------------------

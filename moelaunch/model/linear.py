@@ -12,7 +12,9 @@ writes them, `quantization=` makes them at load). Checkpoint tensors of a projec
   accumulation, int8 runs the weight-only kernel.
 - int4: `P.weight_packed` uint8 [N, K/2] (column 2j in the low nibble of byte j, 2j+1 in the high one),
   `P.weight_scale` fp32 [N, ceil(K/G)] and `P.weight_zero_point` uint8 [N, ceil(K/G)] for groups of G
-  (128) input columns: W = (q - zero) * scale. Here `weight` holds the packed bytes.
+  (128) input columns: W = (q - zero) * scale. Here `weight` holds the packed bytes. G is per projection
+  (`quant.group_size`): a tensor-parallel slice of the input columns holds its rows' groups as narrower
+  local ones (`quantization.int4_column_slice`).
 """
 
 from __future__ import annotations

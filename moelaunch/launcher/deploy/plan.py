@@ -43,7 +43,7 @@ from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model import prefill_attention
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.kv_cache import PagedLatentCache
-from moelaunch.model.quantization import IntQuant, is_quantizable, resolve_quantization
+from moelaunch.model.quantization import IntQuant, int4_local_group, is_quantizable, resolve_quantization
 from moelaunch.parallel.eplb import balanced_placements
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
@@ -267,7 +267,7 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     ]
     if dtype == "fp8":
         _check_fp8_blocks(cfg, shards.values(), block)
-    if quant is not None and quant.method == "int4" and args.quantization:
+    if quant is not None and quant.method == "int4":
         _check_int4_groups(cfg, shards.values(), quant)
     return LaunchPlan(
         cfg,
@@ -337,20 +337,15 @@ def _resolve_quantization(cfg: DeployConfig, args: ModelArgs) -> IntQuant | None
 
 
 def _check_int4_groups(cfg: DeployConfig, shards: Iterable[tuple[WeightPart, ...]], quant: IntQuant) -> None:
-    """An int4 checkpoint's groups run along the input dim: a TP slice there must keep whole groups (the
-    loader refuses it otherwise); quantizing at load has no such limit."""
+    """int4 groups run along the input dim: a TP slice there runs with local groups of gcd(group, slice)
+    columns, which the kernels need to be a multiple of 16 (the loader refuses it otherwise)."""
     for t in (t for parts in shards for part in parts for t in part.tensors):
-        if (
-            t.split_dim == 1
-            and t.tp > 1
-            and is_quantizable(t.name, t.shape)
-            and t.shape[1] % quant.group_size
-        ):
-            raise LayoutError(
-                f"{cfg.source}: int4 checkpoint with parallel.tp={t.tp}: {t.name}'s slice {t.full_shape[1]}/"
-                f"{t.tp} = {t.shape[1]} is not a multiple of the int4 group size {quant.group_size}: choose "
-                "a tp that keeps slices group-aligned, or quantize at load from the unquantized checkpoint"
-            )
+        if t.split_dim == 1 and t.tp > 1 and is_quantizable(t.name, t.full_shape):
+            width = t.shape[1]
+            try:  # every rank's slice starts at a multiple of its width: rank 1's stands for all
+                int4_local_group(quant.group_size, width, 2 * width, t.full_shape[1])
+            except ValueError as e:
+                raise LayoutError(f"{cfg.source}: parallel.tp={t.tp}: {t.name}: {e}") from None
 
 
 def _placement(cfg: DeployConfig, args: ModelArgs, ep: int) -> ExpertPlacement | None:
