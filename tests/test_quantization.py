@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tiny_models import add_byte_tokenizer, make_hf_model
 from torch import Tensor
 
+from moelaunch.kernels import int4_linear
 from moelaunch.kernels import int4_reference as int4_ref
 from moelaunch.kernels import int8_reference as int8_ref
 from moelaunch.launcher import LLM, SamplingParams
@@ -25,6 +26,7 @@ from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_conf
 from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.model import CheckpointError, WeightSpec, load_args, load_model
 from moelaunch.model.linear import Linear
+from moelaunch.model.quantization import IntQuant, int4_column_slice
 from moelaunch.model.single_sequence import generate
 from moelaunch.parallel.mesh import LayoutError, MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import MeshShard
@@ -185,6 +187,35 @@ def test_int4_rejects_odd_widths_and_bad_groups():
         int4_ref.int4_weight_quant_ref(torch.ones(4, 33))
     with pytest.raises(ValueError, match="multiple of 16"):
         int4_ref.int4_weight_quant_ref(torch.ones(4, 32), 24)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "local"), [(48, 176, 16), (0, 64, 64), (128, 256, 128), (96, 160, 32)]
+)
+def test_int4_column_slice_keeps_the_rows_groups(start, end, local):
+    """A slice of int4 rows (K=256, groups of 128) straddling groups gets local groups inside them with
+    their scales and zero points: it dequantizes to the whole rows' values there, and the kernels on it
+    give the product with that slice of the weight."""
+    w = _weights(8, 256, seed=11)
+    packed, scale, zero = int4_ref.int4_weight_quant_ref(w, 128)
+    first, last = start // 128, -(-end // 128)
+    tensors, quant = int4_column_slice(
+        packed[:, start // 2 : end // 2],
+        scale[:, first:last],
+        zero[:, first:last],
+        IntQuant("int4"),
+        start,
+        end,
+        256,
+    )
+    assert quant.group_size == local
+    sliced = (tensors["weight_packed"], tensors["weight_scale"], tensors["weight_zero_point"])
+    whole = int4_ref.int4_dequant_ref(packed, scale, zero, 128, torch.float32)
+    assert torch.equal(int4_ref.int4_dequant_ref(*sliced, local, torch.float32), whole[:, start:end])
+    x = _randn(3, end - start, seed=12)
+    expected = x.double() @ whole[:, start:end].double().T
+    bound = _gemm_bound(x, whole[:, start:end].abs(), end - start)
+    assert ((int4_linear(x, *sliced, local).double() - expected).abs() <= bound).all()
 
 
 # --- checkpoints --------------------------------------------------------------------------------------

@@ -80,10 +80,16 @@ class Linear(nn.Module):
         than the rest of the layer (INT4 at batch 1)."""
         if self.is_plain():
             return self.weight.to(dtype)
-        key = (dtype, self.weight.data_ptr())
-        if self._dense is None or self._dense[:2] != key:
-            self._dense = (*key, self._dequantized(dtype))
+        if self._dense is None or self._dense[0] != dtype or self._weight_replaced():
+            self._dense = (dtype, self.weight.data_ptr(), self._dequantized(dtype))
         return self._dense[2]
+
+    def _weight_replaced(self) -> bool:
+        """Whether the weight's storage changed since dense_weight kept its matrix. Not asked while
+        compiling (torch.compile cannot compare storages): a compiled step keeps the matrix it traced with,
+        and nothing replaces a projection's weight while serving."""
+        assert self._dense is not None
+        return not torch.compiler.is_compiling() and self._dense[1] != self.weight.data_ptr()
 
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight.dtype == torch.float8_e4m3fn:
