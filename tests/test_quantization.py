@@ -428,11 +428,14 @@ def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, checkpoint, quantizatio
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_int4_slice_below_16_columns_per_group_is_refused(dirs, tmp_path, quantization):
     """tp=4 cuts the experts' down_proj input (32 columns) into 8-column slices; the kernels need groups of
-    a multiple of 16, whether the groups come from a converted checkpoint or from quantizing at load."""
+    a multiple of 16, whether the groups come from a converted checkpoint or from quantizing at load: the
+    plan, the API and the loader refuse it."""
     checkpoint = dirs["int4" if quantization == "none" else "orig"]
     refusal = r"down_proj.*slice of 8 of 32 input columns \(tp=4\).*for which 32/tp is a multiple of 16"
     with pytest.raises(CheckpointError, match=refusal):
         _tp_shards(WeightSpec(str(checkpoint), quantization=quantization), tp=4)
+    with pytest.raises(ValueError, match=refusal):  # the API: before any worker starts
+        LLM(str(checkpoint), quantization=quantization, tp=4)
     config = tmp_path / "cluster.yaml"
     cluster = {"devices_per_node": 4, "device": "cpu", "device_memory_gb": 1}
     deployment = {"model": str(checkpoint), "quantization": quantization, "cluster": cluster}

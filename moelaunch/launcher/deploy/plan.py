@@ -43,13 +43,13 @@ from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model import prefill_attention
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.kv_cache import PagedLatentCache
-from moelaunch.model.quantization import IntQuant, int4_local_group, is_quantizable, resolve_quantization
+from moelaunch.model.quantization import IntQuant, resolve_quantization
 from moelaunch.parallel.eplb import balanced_placements
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
 from moelaunch.parallel.parallelize import check_layout
 from moelaunch.parallel.placement_file import read_placement_file
-from moelaunch.parallel.shard_tensors import shard_tensors
+from moelaunch.parallel.shard_tensors import check_int4_slices, shard_tensors
 from moelaunch.parallel.stages import assign_stages
 
 GB = 10**9
@@ -337,15 +337,10 @@ def _resolve_quantization(cfg: DeployConfig, args: ModelArgs) -> IntQuant | None
 
 
 def _check_int4_groups(cfg: DeployConfig, shards: Iterable[tuple[WeightPart, ...]], quant: IntQuant) -> None:
-    """int4 groups run along the input dim: a TP slice there runs with local groups of gcd(group, slice)
-    columns, which the kernels need to be a multiple of 16 (the loader refuses it otherwise)."""
-    for t in (t for parts in shards for part in parts for t in part.tensors):
-        if t.split_dim == 1 and t.tp > 1 and is_quantizable(t.name, t.full_shape):
-            width = t.shape[1]
-            try:  # every rank's slice starts at a multiple of its width: rank 1's stands for all
-                int4_local_group(quant.group_size, width, 2 * width, t.full_shape[1])
-            except ValueError as e:
-                raise LayoutError(f"{cfg.source}: parallel.tp={t.tp}: {t.name}: {e}") from None
+    try:
+        check_int4_slices((t for parts in shards for part in parts for t in part.tensors), quant)
+    except ValueError as e:
+        raise LayoutError(f"{cfg.source}: parallel.tp={cfg.parallel.tp}: {e}") from None
 
 
 def _placement(cfg: DeployConfig, args: ModelArgs, ep: int) -> ExpertPlacement | None:
