@@ -86,8 +86,8 @@ class Linear(nn.Module):
 
     def _weight_replaced(self) -> bool:
         """Whether the weight's storage changed since dense_weight kept its matrix. Not asked while
-        compiling (torch.compile cannot compare storages): a compiled step keeps the matrix it traced with,
-        and nothing replaces a projection's weight while serving."""
+        compiling (torch.compile cannot compare storages): a compiled step keeps the matrix it traced with
+        (the absorbed MLA form asks for kv_b_proj's, which nothing replaces while serving)."""
         assert self._dense is not None
         return not torch.compiler.is_compiling() and self._dense[1] != self.weight.data_ptr()
 
