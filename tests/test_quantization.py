@@ -30,6 +30,7 @@ from moelaunch.model.quantization import IntQuant, int4_column_slice
 from moelaunch.model.single_sequence import generate
 from moelaunch.parallel.mesh import LayoutError, MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import MeshShard
+from moelaunch.tools.convert import quantize_int4
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -405,8 +406,8 @@ def _tp_shards(weights: WeightSpec, tp: int = 2) -> list[torch.nn.Module]:
 def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, checkpoint, quantization):
     """Each TP rank's projections (rows for column-parallel, input columns for row-parallel) dequantize to
     exactly its slice of the single-process model's: int4 slices of input columns narrower than a group
-    (o_proj's 64 -> 32, the experts' down_proj 32 -> 16) keep the whole rows' groups as local ones, read
-    from a converted checkpoint or quantized at load."""
+    (o_proj's 64 -> 32, the shared experts' down_proj 32 -> 16) keep the whole rows' groups as local
+    ones, read from a converted checkpoint or quantized at load."""
     weights = WeightSpec(str(dirs[checkpoint]), quantization=quantization)
     whole = dict(load_model(weights).named_modules())
     checked, narrower = 0, 0
@@ -427,11 +428,11 @@ def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, checkpoint, quantizatio
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_int4_slice_below_16_columns_per_group_is_refused(dirs, tmp_path, quantization):
-    """tp=4 cuts the experts' down_proj input (32 columns) into 8-column slices; the kernels need groups of
-    a multiple of 16, whether the groups come from a converted checkpoint or from quantizing at load: the
-    plan, the API and the loader refuse it."""
+    """tp=4 cuts the shared experts' down_proj input (32 columns) into 8-column slices; the kernels need
+    groups of a multiple of 16, whether the groups come from a converted checkpoint or from quantizing at
+    load: the plan, the API and the loader refuse it."""
     checkpoint = dirs["int4" if quantization == "none" else "orig"]
-    refusal = r"down_proj.*slice of 8 of 32 input columns \(tp=4\).*for which 32/tp is a multiple of 16"
+    refusal = r"shared_experts.down_proj.*slice of 8 of 32 input columns \(tp=4\).*32/tp is a multiple of 16"
     with pytest.raises(CheckpointError, match=refusal):
         _tp_shards(WeightSpec(str(checkpoint), quantization=quantization), tp=4)
     with pytest.raises(ValueError, match=refusal):  # the API: before any worker starts
@@ -501,6 +502,28 @@ def test_plan_counts_the_bytes_the_loaded_model_holds(dirs, tmp_path, method):
     assert plan.ranks[0].weight_bytes == held
     if method != "none":
         print(f"{method}: {held:,} B of weights vs {_plain_bytes(dirs['orig']):,} B in fp32")
+
+
+@pytest.mark.parametrize("quantization", ["int4", "none"])  # at load; an int4 checkpoint
+def test_plan_counts_int4_local_groups_under_tp(tmp_path, quantization):
+    """At tp=2 the plan counts each rank's int4 slices with their local groups, as the loader holds them:
+    MLPs 96 columns wide (shared experts, dense) hold 48 per rank, 3 groups of 16 (one of 128 would be 1)."""
+    checkpoint = make_hf_model(tmp_path / "orig", "v3", moe_intermediate_size=96, intermediate_size=96)
+    if quantization == "none":
+        checkpoint = quantize_int4(checkpoint, tmp_path / "int4")
+    config = tmp_path / "cluster.yaml"
+    cluster = {"devices_per_node": 2, "device": "cpu", "device_memory_gb": 1}
+    deployment = {"model": str(checkpoint), "quantization": quantization, "parallel": {"tp": 2}}
+    config.write_text(
+        yaml.safe_dump({**deployment, "cluster": cluster, "engine": {"skip_tokenizer_init": True}})
+    )
+    plan = build_plan(load_deploy_config(config))
+    for rank, shard in enumerate(_tp_shards(WeightSpec(str(checkpoint), quantization=quantization))):
+        held = sum(
+            t.numel() * t.element_size() for n, t in shard.state_dict().items() if not n.startswith("rope.")
+        )
+        assert plan.ranks[rank].weight_bytes == held
+        assert shard.model.layers["1"].mlp.shared_experts.down_proj.weight_scale.shape == (64, 3)
 
 
 def _plain_bytes(path: Path) -> int:
