@@ -1,7 +1,7 @@
 """Run under torchrun by test_parallel_layouts.py: each layout of the plan file, one after another,
-on the first tp*dp*pp ranks of the job (the others only help create process groups). The layout's
-rank 0 drives the engine and saves tokens and top log-probabilities; every rank reports how many
-checkpoint bytes it read."""
+on the first tp*dp*pp ranks of the job (the others only help create process groups), from the
+checkpoint given or the one the layout names. The layout's rank 0 drives the engine and saves tokens and
+top log-probabilities; every rank reports how many checkpoint bytes it read."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def run_layout(ckpt: str, out_dir: Path, name: str, plan: dict) -> None:
         {"kv_cache_memory": 2_000_000, "block_size": 4, **plan.get("engine", {})}, strict=False
     )
     weights = WeightSpec(
-        ckpt,
+        plan.get("checkpoint", ckpt),
         quantization=plan.get("quantization", "none"),
         expert_placement=plan.get("placement"),
         layer_expert_placement=plan.get("layer_placement"),

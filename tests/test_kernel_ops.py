@@ -79,3 +79,59 @@ def test_triton_kernels_trace_as_custom_ops(monkeypatch):
     out, ops = compiled_ops(lambda *a: kernels.paged_mla_decode(*a, 0.3), q, pe, cache, table, lens)
     assert ops == {"paged_mla_decode_triton"}
     torch.testing.assert_close(out, kernels.paged_mla_decode(q, pe, cache, table, lens, 0.3), rtol=0, atol=0)
+
+
+def integer_linears(x: Tensor, w8: tuple[Tensor, Tensor], w4: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+    """Each integer-weight entry point a model calls: a projection (INT8, W8A8 with and without the
+    whole row's amax, INT4) and grouped experts (INT8, W8A8, INT4)."""
+    offsets = torch.tensor([0, 1, 3])
+    stack8 = [t.expand(2, *t.shape).contiguous() for t in w8]
+    stack4 = [t.expand(2, *t.shape).contiguous() for t in w4]
+    amax = x.abs().amax(dim=-1) * 2
+    return torch.cat(
+        [
+            kernels.int8_linear(x, *w8),
+            kernels.w8a8_linear(x, *w8),
+            kernels.w8a8_linear(x, *w8, amax),
+            kernels.int4_linear(x, *w4, 32),
+            kernels.int8_grouped_linear(x, *stack8, offsets),
+            kernels.w8a8_grouped_linear(x, *stack8, offsets),
+            kernels.int4_grouped_linear(x, *stack4, offsets, 32),
+        ],
+        dim=-1,
+    )
+
+
+def integer_weights() -> tuple[Tensor, tuple[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    torch.manual_seed(3)
+    w = torch.randn(64, 128)
+    return torch.randn(3, 128), kernels.int8_weight_quant(w), kernels.int4_weight_quant(w, 32)
+
+
+@torch.inference_mode()
+def test_integer_cpu_kernels_trace_as_custom_ops():
+    if not kernels.prepare_cpu_kernels():
+        pytest.fail("the CPU kernels did not build")
+    args = integer_weights()
+    out, ops = compiled_ops(integer_linears, *args)
+    assert ops == {"int8_linear_cpu", "w8a8_linear_cpu", "int4_linear_cpu"}
+    torch.testing.assert_close(out, integer_linears(*args), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton runs on CPU tensors only interpreted"
+)
+@torch.inference_mode()
+def test_integer_triton_kernels_trace_as_custom_ops(monkeypatch):
+    """The projections run Triton (grouped experts take one launch per expert through the same ops)."""
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    x, w8, w4 = integer_weights()
+
+    def projections(x: Tensor) -> Tensor:
+        amax = x.abs().amax(dim=-1) * 2
+        ys = [kernels.int8_linear(x, *w8), kernels.w8a8_linear(x, *w8, amax), kernels.int4_linear(x, *w4, 32)]
+        return torch.cat([*ys, kernels.int8_act_quant(x)[0].float()], dim=-1)
+
+    out, ops = compiled_ops(projections, x)
+    assert ops == {"int8_linear_triton", "w8a8_linear_triton", "int4_linear_triton", "int8_act_quant_triton"}
+    torch.testing.assert_close(out, projections(x), rtol=0, atol=0)

@@ -19,6 +19,7 @@ from moelaunch.model import CheckpointReader, load_model
 from moelaunch.model.single_sequence import generate
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.eplb import balanced_placements
+from moelaunch.tools.convert import quantize_int4
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +29,10 @@ REQUESTS = [
     dict(id=2, prompt=[9, 10], max_new_tokens=16, temperature=0.8, seed=3),
 ]
 # The options that change the numbers, three per run to keep the launch short: weights quantized at load
-# ("quantization") and engine options ("engine"). Each is on dp2 and pp2; on tp2 all but INT4, whose
-# groups a row-parallel slice cuts (these tiny projections are narrower than a group), so under TP it is
-# not one process's numbers. W8A8 is: a row-parallel rank quantizes its slice with the whole row's amax.
+# ("quantization") and engine options ("engine"), each on tp2, dp2 and pp2. Under TP a row-parallel rank
+# holds one process's integers: W8A8 quantizes its slice of the activations with the whole row's amax, and
+# INT4 cuts groups (these tiny projections are narrower than a group of 128), so a slice keeps its whole
+# rows' groups as narrower local ones with their scales and zero points.
 VARIANTS = {
     "int8+kv-fp8": {"quantization": "int8", "engine": {"kv_cache_dtype": "fp8"}},
     "w8a8+window": {"quantization": "w8a8", "engine": {"attention": {"window": 6}}},
@@ -39,7 +41,7 @@ VARIANTS = {
     "topk": {"engine": {"attention": {"topk_blocks": 2}}},
 }
 VARIANTS_ON = {
-    "tp2": ([2, 1, 1], ["int8+kv-fp8", "w8a8+window", "topk"]),
+    "tp2": ([2, 1, 1], ["int8+kv-fp8", "w8a8+window", "int4+topk", "topk"]),
     "dp2": ([1, 2, 1], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
     "pp2": ([1, 1, 2], ["int8+kv-fp8", "w8a8+window", "int4+topk"]),
 }
@@ -85,6 +87,13 @@ PLAN = {
         "quantization": "int4",
         "engine": {**VARIANTS["int4+topk"]["engine"], "eplb": EPLB},
     },
+    # A converted int4 checkpoint (`launch convert quantize-int4`) sliced by TP: one process's numbers too.
+    "tp2-int4-checkpoint:int4+topk": {
+        "shape": [2, 1, 1],
+        "requests": REQUESTS,
+        "checkpoint": "int4",
+        "engine": VARIANTS["int4+topk"]["engine"],
+    },
     # An explicit placement per MoE layer (copies, uneven counts), moved to before the first step.
     "dp4-swap": {"shape": [1, 4, 1], "requests": REQUESTS, "swap": SWAP},
     **{
@@ -98,6 +107,13 @@ PLAN = {
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return add_byte_tokenizer(make_hf_model(tmp_path_factory.mktemp("tiny4"), "v3", num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def converted(checkpoint, tmp_path_factory) -> dict[str, str]:
+    """The checkpoints a layout names by "checkpoint", converted from `checkpoint`."""
+    int4 = quantize_int4(checkpoint, tmp_path_factory.mktemp("converted") / "int4")
+    return {"int4": str(int4)}
 
 
 def params(r: dict) -> SamplingParams:
@@ -121,10 +137,14 @@ def single_process(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def layouts(checkpoint, tmp_path_factory):
+def layouts(checkpoint, converted, tmp_path_factory):
     out = tmp_path_factory.mktemp("layouts")
     plan = out / "plan.json"
-    plan.write_text(json.dumps(PLAN))
+    named = {
+        k: {**p, "checkpoint": converted[p["checkpoint"]]} if "checkpoint" in p else p
+        for k, p in PLAN.items()
+    }
+    plan.write_text(json.dumps(named))
     worker = os.path.join(os.path.dirname(__file__), "parallel_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "29641"]
     subprocess.run([*cmd, worker, str(checkpoint), str(out), str(plan)], check=True, timeout=300)

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from tiny_models import add_byte_tokenizer, make_hf_model
 from torch import Tensor
 
+from moelaunch.kernels import int4_linear
 from moelaunch.kernels import int4_reference as int4_ref
 from moelaunch.kernels import int8_reference as int8_ref
 from moelaunch.launcher import LLM, SamplingParams
@@ -25,9 +26,11 @@ from moelaunch.launcher.deploy.config import DeployConfigError, load_deploy_conf
 from moelaunch.launcher.deploy.plan import build_plan
 from moelaunch.model import CheckpointError, WeightSpec, load_args, load_model
 from moelaunch.model.linear import Linear
+from moelaunch.model.quantization import IntQuant, int4_column_slice
 from moelaunch.model.single_sequence import generate
-from moelaunch.parallel.mesh import MeshShape, ParallelMesh
+from moelaunch.parallel.mesh import LayoutError, MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import MeshShard
+from moelaunch.tools.convert import quantize_int4
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -185,6 +188,35 @@ def test_int4_rejects_odd_widths_and_bad_groups():
         int4_ref.int4_weight_quant_ref(torch.ones(4, 33))
     with pytest.raises(ValueError, match="multiple of 16"):
         int4_ref.int4_weight_quant_ref(torch.ones(4, 32), 24)
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "local"), [(48, 176, 16), (0, 64, 64), (128, 256, 128), (96, 160, 32)]
+)
+def test_int4_column_slice_keeps_the_rows_groups(start, end, local):
+    """A slice of int4 rows (K=256, groups of 128) straddling groups gets local groups inside them with
+    their scales and zero points: it dequantizes to the whole rows' values there, and the kernels on it
+    give the product with that slice of the weight."""
+    w = _weights(8, 256, seed=11)
+    packed, scale, zero = int4_ref.int4_weight_quant_ref(w, 128)
+    first, last = start // 128, -(-end // 128)
+    tensors, quant = int4_column_slice(
+        packed[:, start // 2 : end // 2],
+        scale[:, first:last],
+        zero[:, first:last],
+        IntQuant("int4"),
+        start,
+        end,
+        256,
+    )
+    assert quant.group_size == local
+    sliced = (tensors["weight_packed"], tensors["weight_scale"], tensors["weight_zero_point"])
+    whole = int4_ref.int4_dequant_ref(packed, scale, zero, 128, torch.float32)
+    assert torch.equal(int4_ref.int4_dequant_ref(*sliced, local, torch.float32), whole[:, start:end])
+    x = _randn(3, end - start, seed=12)
+    expected = x.double() @ whole[:, start:end].double().T
+    bound = _gemm_bound(x, whole[:, start:end].abs(), end - start)
+    assert ((int4_linear(x, *sliced, local).double() - expected).abs() <= bound).all()
 
 
 # --- checkpoints --------------------------------------------------------------------------------------
@@ -360,18 +392,26 @@ def test_quantized_model_through_triton_kernels_in_the_interpreter(dirs, method,
     assert (model(ids) - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
 
 
-def _tp2_shards(path: Path) -> list[torch.nn.Module]:
-    shape, args = MeshShape(tp=2), load_args(path)
-    return [load_model(path, shard=MeshShard(args, ParallelMesh.planned(shape, r, "cpu"))) for r in range(2)]
+def _tp_shards(weights: WeightSpec, tp: int = 2) -> list[torch.nn.Module]:
+    shape, args = MeshShape(tp=tp), load_args(weights.model)
+    return [
+        load_model(weights, shard=MeshShard(args, ParallelMesh.planned(shape, r, "cpu"))) for r in range(tp)
+    ]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4g16"])
-def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, method):
+@pytest.mark.parametrize(
+    ("checkpoint", "quantization"),
+    [("int8", "none"), ("int4", "none"), ("int4g16", "none"), ("orig", "int4")],
+)
+def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, checkpoint, quantization):
     """Each TP rank's projections (rows for column-parallel, input columns for row-parallel) dequantize to
-    exactly its slice of the single-process model's; int4 slices of input columns keep whole groups."""
-    whole = dict(load_model(dirs[method]).named_modules())
-    checked = 0
-    for shard in _tp2_shards(dirs[method]):
+    exactly its slice of the single-process model's: int4 slices of input columns narrower than a group
+    (o_proj's 64 -> 32, the shared experts' down_proj 32 -> 16) keep the whole rows' groups as local
+    ones, read from a converted checkpoint or quantized at load."""
+    weights = WeightSpec(str(dirs[checkpoint]), quantization=quantization)
+    whole = dict(load_model(weights).named_modules())
+    checked, narrower = 0, 0
+    for shard in _tp_shards(weights):
         for name, m in shard.named_modules():
             spec = getattr(m, "shard_spec", None)
             if not isinstance(m, Linear) or m.quant is None or spec is None:
@@ -379,15 +419,33 @@ def test_tp2_shards_hold_slices_of_the_tp1_weights(dirs, method):
             full = whole[name].dense_weight(torch.float32)
             assert torch.equal(
                 m.dense_weight(torch.float32), full.narrow(spec.dim, spec.start, spec.end - spec.start)
-            )
+            ), name
             checked += 1
+            narrower += m.quant.group_size < whole[name].quant.group_size
     assert checked > 10
+    assert (narrower > 0) == (quantization == "int4" or checkpoint == "int4")  # groups of 128
 
 
-def test_int4_shard_cutting_a_group_is_refused(dirs):
-    # o_proj's input (4 heads x 16 = 64) splits into 32-wide halves: not whole 128-column groups.
-    with pytest.raises(CheckpointError, match="not aligned to int4 groups of 128"):
-        _tp2_shards(dirs["int4"])
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+def test_int4_slice_below_16_columns_per_group_is_refused(dirs, tmp_path, quantization):
+    """tp=4 cuts the shared experts' down_proj input (32 columns) into 8-column slices; the kernels need
+    groups of a multiple of 16, whether the groups come from a converted checkpoint or from quantizing at
+    load: the plan, the API and the loader refuse it."""
+    checkpoint = dirs["int4" if quantization == "none" else "orig"]
+    refusal = r"shared_experts.down_proj.*slice of 8 of 32 input columns \(tp=4\).*32/tp is a multiple of 16"
+    with pytest.raises(CheckpointError, match=refusal):
+        _tp_shards(WeightSpec(str(checkpoint), quantization=quantization), tp=4)
+    with pytest.raises(ValueError, match=refusal):  # the API: before any worker starts
+        LLM(str(checkpoint), quantization=quantization, tp=4)
+    config = tmp_path / "cluster.yaml"
+    cluster = {"devices_per_node": 4, "device": "cpu", "device_memory_gb": 1}
+    deployment = {"model": str(checkpoint), "quantization": quantization, "cluster": cluster}
+    config.write_text(yaml.safe_dump({**deployment, "parallel": {"tp": 4}}))
+    with pytest.raises(LayoutError, match="parallel.tp=4: .*" + refusal):  # before any model loads
+        build_plan(load_deploy_config(config))
+    cluster["devices_per_node"] = 2
+    config.write_text(yaml.safe_dump({**deployment, "parallel": {"tp": 2}}))
+    build_plan(load_deploy_config(config))  # 16-column groups: accepted
 
 
 # --- options, plan and errors -------------------------------------------------------------------------
@@ -444,6 +502,28 @@ def test_plan_counts_the_bytes_the_loaded_model_holds(dirs, tmp_path, method):
     assert plan.ranks[0].weight_bytes == held
     if method != "none":
         print(f"{method}: {held:,} B of weights vs {_plain_bytes(dirs['orig']):,} B in fp32")
+
+
+@pytest.mark.parametrize("quantization", ["int4", "none"])  # at load; an int4 checkpoint
+def test_plan_counts_int4_local_groups_under_tp(tmp_path, quantization):
+    """At tp=2 the plan counts each rank's int4 slices with their local groups, as the loader holds them:
+    MLPs 96 columns wide (shared experts, dense) hold 48 per rank, 3 groups of 16 (one of 128 would be 1)."""
+    checkpoint = make_hf_model(tmp_path / "orig", "v3", moe_intermediate_size=96, intermediate_size=96)
+    if quantization == "none":
+        checkpoint = quantize_int4(checkpoint, tmp_path / "int4")
+    config = tmp_path / "cluster.yaml"
+    cluster = {"devices_per_node": 2, "device": "cpu", "device_memory_gb": 1}
+    deployment = {"model": str(checkpoint), "quantization": quantization, "parallel": {"tp": 2}}
+    config.write_text(
+        yaml.safe_dump({**deployment, "cluster": cluster, "engine": {"skip_tokenizer_init": True}})
+    )
+    plan = build_plan(load_deploy_config(config))
+    for rank, shard in enumerate(_tp_shards(WeightSpec(str(checkpoint), quantization=quantization))):
+        held = sum(
+            t.numel() * t.element_size() for n, t in shard.state_dict().items() if not n.startswith("rope.")
+        )
+        assert plan.ranks[rank].weight_bytes == held
+        assert shard.model.layers["1"].mlp.shared_experts.down_proj.weight_scale.shape == (64, 3)
 
 
 def _plain_bytes(path: Path) -> int:

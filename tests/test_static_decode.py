@@ -91,14 +91,16 @@ def test_static_step_has_no_sync_and_gives_the_eager_tokens(which, v3_model, mon
 
 
 @pytest.mark.slow
-def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model):
-    """fullgraph=True raises on any graph break; one graph per bucket, none added by later steps."""
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantization):
+    """fullgraph=True raises on any graph break; one graph per bucket, none added by later steps. Integer
+    weights too: their C++ kernels trace as custom ops, their experts with device offsets."""
     from torch._dynamo.utils import counters
 
     # 64 requests: 61 stop after 3 tokens, 2 after 5, 1 after 7: decode batches 64, 64, 3, 3, 1, 1.
     lengths = [3] * 61 + [5, 5, 7]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-    options = dict(kv_cache_memory=16_000_000, block_size=8, max_num_seqs=64)
+    options = dict(kv_cache_memory=16_000_000, block_size=8, max_num_seqs=64, quantization=quantization)
     with LLM(v3_model, **options) as llm:
         expected = tokens(llm, params)
     torch._dynamo.reset()

@@ -17,9 +17,11 @@ from moelaunch.engine.engine import LLMEngine
 from moelaunch.model.checkpoint import CheckpointReader
 from moelaunch.model.config import load_args
 from moelaunch.model.loading import has_mtp_weights
+from moelaunch.model.quantization import resolve_quantization
 from moelaunch.model.weight_spec import WeightSpec
 from moelaunch.parallel.mesh import MeshShape, ParallelMesh
 from moelaunch.parallel.parallelize import check_layout
+from moelaunch.parallel.shard_tensors import check_int4_slices, shard_tensors
 from moelaunch.text.tokenizer import Tokenizer
 
 
@@ -39,10 +41,14 @@ class EngineSpec:
 
     def check_against_model(self) -> None:
         """What can be checked before any weight loads or worker starts: the checkpoint exists and its
-        files are readable, the layout divides the model, max_model_len fits its positions."""
+        files are readable, the layout divides the model (int4 slices included), max_model_len fits its
+        positions."""
         model = self.weights.model
         args = load_args(model)
         check_layout(args, self.parallel)
+        quant = resolve_quantization(self.weights.quantization, args.quantization, model)
+        if quant is not None and quant.method == "int4" and self.parallel.tp > 1:
+            check_int4_slices(shard_tensors(args, self.parallel, 0, None), quant)
         if not self.engine.skip_tokenizer_init:
             Tokenizer.check_files(model)
         reader = CheckpointReader(model)  # every weights file there and readable

@@ -185,3 +185,37 @@ def _(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, T
     pairs = ids.numel()
     return (x.new_empty(pairs, x.shape[1]), ids.new_empty(pairs), ids.new_empty(n_experts + 1),
             ids.new_empty(ids.shape))  # fmt: skip
+
+
+@torch.library.custom_op("moelaunch::int8_linear_cpu", mutates_args=())
+def int8_linear_cpu(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, path: int) -> Tensor:
+    return _ext().int8_linear_cpu(x, q, scale, offsets, path)
+
+
+@int8_linear_cpu.register_fake
+def _(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, path: int) -> Tensor:
+    return x.new_empty(x.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::w8a8_linear_cpu", mutates_args=())
+def w8a8_linear_cpu(
+    x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, path: int, row_amax: Tensor | None
+) -> Tensor:
+    return _ext().w8a8_linear_cpu(x, q, scale, offsets, path, row_amax)
+
+
+@w8a8_linear_cpu.register_fake
+def _(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, path: int, row_amax: Tensor | None) -> Tensor:
+    return x.new_empty(x.shape[0], q.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::int4_linear_cpu", mutates_args=())
+def int4_linear_cpu(
+    x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, offsets: Tensor, group_size: int, path: int
+) -> Tensor:
+    return _ext().int4_linear_cpu(x, packed, scale, zero, offsets, group_size, path)
+
+
+@int4_linear_cpu.register_fake
+def _(x, packed, scale, zero, offsets, group_size, path) -> Tensor:
+    return x.new_empty(x.shape[0], packed.shape[1], dtype=torch.float32)

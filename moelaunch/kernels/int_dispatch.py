@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from types import ModuleType
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,17 +22,18 @@ from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.selection import int_linear_on_cpu, use_triton
 
 
-def _int8_triton() -> ModuleType:
-    # Imported on first use, like dispatch._triton: CPU-only runs never load Triton.
-    from moelaunch.kernels import int8_triton
+def _int8_triton() -> Any:
+    # Imported on first use, like dispatch._triton: CPU-only runs never load Triton. While traced, the
+    # launchers' registered ops (`triton_ops`).
+    from moelaunch.kernels import int8_triton, triton_ops
 
-    return int8_triton
+    return triton_ops.entry(int8_triton)
 
 
-def _int4_triton() -> ModuleType:
-    from moelaunch.kernels import int4_triton
+def _int4_triton() -> Any:
+    from moelaunch.kernels import int4_triton, triton_ops
 
-    return int4_triton
+    return triton_ops.entry(int4_triton)
 
 
 def int8_weight_quant(w: Tensor) -> tuple[Tensor, Tensor]:

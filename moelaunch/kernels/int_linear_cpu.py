@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import cpu_extension
 from moelaunch.kernels.cpu_extension import cast_if_needed
+from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.selection import int_kernel_path
+
+
+@torch.compiler.assume_constant_result  # traced as its value (a cached one: the build is not traceable)
+def _path() -> int:
+    return int_kernel_path()
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -22,8 +27,8 @@ def _rows(x: Tensor) -> Tensor:
 
 def int8_linear_cpu(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor) -> Tensor:
     """x [T, K], q int8 [G, N, K], scale fp32 [G, N] -> x @ (q * scale)^T per group, [T, N]."""
-    out = cpu_extension.require().int8_linear_cpu(
-        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), int_kernel_path()
+    out = cpu_kernel("int8_linear_cpu")(
+        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), _path()
     )
     return cast_if_needed(out, x.dtype)
 
@@ -33,8 +38,8 @@ def w8a8_linear_cpu(
 ) -> Tensor:
     """As int8_linear_cpu with x quantized to int8 per row first and int32 dot products (W8A8);
     row_amax [T]: each row's amax to quantize with, instead of its own."""
-    out = cpu_extension.require().w8a8_linear_cpu(
-        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), int_kernel_path(), row_amax
+    out = cpu_kernel("w8a8_linear_cpu")(
+        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), _path(), row_amax
     )
     return cast_if_needed(out, x.dtype)
 
@@ -43,13 +48,13 @@ def int4_linear_cpu(
     x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, offsets: Tensor, group_size: int
 ) -> Tensor:
     """x [T, K], packed uint8 [G, N, K/2], scale fp32 / zero uint8 [G, N, ceil(K / group_size)] -> [T, N]."""
-    out = cpu_extension.require().int4_linear_cpu(
+    out = cpu_kernel("int4_linear_cpu")(
         _rows(x),
         packed.contiguous(),
         scale.contiguous(),
         zero.contiguous(),
         offsets.contiguous(),
         group_size,
-        int_kernel_path(),
+        _path(),
     )
     return cast_if_needed(out, x.dtype)

@@ -3,9 +3,8 @@ with a fake implementation, so torch.compile (and CUDA graph capture of a compil
 them as one op each. Imported only where Triton runs (`dispatch` imports it lazily).
 
 As for the CPU kernels (`cpu_ops`), eager calls outside a trace take the launcher function directly;
-`entry(module)` gives the one to call. The INT8/INT4 launchers follow the same pattern: define an op
-named after the launcher calling it, a `register_fake`, and route `int_dispatch`'s module getters
-through `entry`.
+`entry(module)` gives the one to call. A new launcher follows the same pattern: define an op named after
+it calling it, a `register_fake`, and reach its module through `entry`.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import fp8_triton, mla_decode_triton
+from moelaunch.kernels import fp8_triton, int4_triton, int8_triton, mla_decode_triton
 from moelaunch.kernels.cpu_ops import traced
 from moelaunch.kernels.fp8_reference import FP8_DTYPE
 
@@ -76,3 +75,43 @@ def paged_mla_decode_triton(
 @paged_mla_decode_triton.register_fake
 def _(q_latent, q_pe, cache, block_table, seq_lens, scale, cache_scales, starts) -> Tensor:
     return torch.empty_like(q_latent)
+
+
+@torch.library.custom_op("moelaunch::int8_linear_triton", mutates_args=())
+def int8_linear_triton(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
+    return int8_triton.int8_linear_triton(x, q, s)
+
+
+@int8_linear_triton.register_fake
+def _(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], q.shape[0])
+
+
+@torch.library.custom_op("moelaunch::int8_act_quant_triton", mutates_args=())
+def int8_act_quant_triton(x: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return int8_triton.int8_act_quant_triton(x, amax)
+
+
+@int8_act_quant_triton.register_fake
+def _(x: Tensor, amax: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::w8a8_linear_triton", mutates_args=())
+def w8a8_linear_triton(x: Tensor, q: Tensor, s: Tensor, amax: Tensor | None = None) -> Tensor:
+    return int8_triton.w8a8_linear_triton(x, q, s, amax)
+
+
+@w8a8_linear_triton.register_fake
+def _(x: Tensor, q: Tensor, s: Tensor, amax: Tensor | None = None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], q.shape[0])
+
+
+@torch.library.custom_op("moelaunch::int4_linear_triton", mutates_args=())
+def int4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> Tensor:
+    return int4_triton.int4_linear_triton(x, packed, scale, zero, group_size)
+
+
+@int4_linear_triton.register_fake
+def _(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> Tensor:
+    return x.new_empty(*x.shape[:-1], packed.shape[0])

@@ -12,7 +12,9 @@ writes them, `quantization=` makes them at load). Checkpoint tensors of a projec
   accumulation, int8 runs the weight-only kernel.
 - int4: `P.weight_packed` uint8 [N, K/2] (column 2j in the low nibble of byte j, 2j+1 in the high one),
   `P.weight_scale` fp32 [N, ceil(K/G)] and `P.weight_zero_point` uint8 [N, ceil(K/G)] for groups of G
-  (128) input columns: W = (q - zero) * scale. Here `weight` holds the packed bytes.
+  (128) input columns: W = (q - zero) * scale. Here `weight` holds the packed bytes. G is per projection
+  (`quant.group_size`): a tensor-parallel slice of the input columns holds its rows' groups as narrower
+  local ones (`quantization.int4_column_slice`).
 """
 
 from __future__ import annotations
@@ -78,10 +80,16 @@ class Linear(nn.Module):
         than the rest of the layer (INT4 at batch 1)."""
         if self.is_plain():
             return self.weight.to(dtype)
-        key = (dtype, self.weight.data_ptr())
-        if self._dense is None or self._dense[:2] != key:
-            self._dense = (*key, self._dequantized(dtype))
+        if self._dense is None or self._dense[0] != dtype or self._weight_replaced():
+            self._dense = (dtype, self.weight.data_ptr(), self._dequantized(dtype))
         return self._dense[2]
+
+    def _weight_replaced(self) -> bool:
+        """Whether the weight's storage changed since dense_weight kept its matrix. Not asked while
+        compiling (torch.compile cannot compare storages): a compiled step keeps the matrix it traced with
+        (the absorbed MLA form asks for kv_b_proj's, which nothing replaces while serving)."""
+        assert self._dense is not None
+        return not torch.compiler.is_compiling() and self._dense[1] != self.weight.data_ptr()
 
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight.dtype == torch.float8_e4m3fn:

@@ -21,7 +21,13 @@ from moelaunch import kernels
 from moelaunch.model.checkpoint import CheckpointError, CheckpointReader
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.linear import Linear
-from moelaunch.model.quantization import IntQuant, is_quantizable, quantize_weight, resolve_quantization
+from moelaunch.model.quantization import (
+    IntQuant,
+    int4_column_slice,
+    is_quantizable,
+    quantize_weight,
+    resolve_quantization,
+)
 from moelaunch.model.rope import RotaryEmbedding
 from moelaunch.model.shard_spec import ShardSpec, weight_shard
 from moelaunch.model.sharding import WHOLE, ModelShard
@@ -209,13 +215,13 @@ def _load_int_linear(
     weight that stays as it is (not a projection: lm_head)."""
     base = name.removesuffix("weight")
     if base + "weight_scale" in reader:
-        tensors, used = _read_int(reader, base, expected, spec, quant)
+        tensors, used, quant = _read_int(reader, base, expected, spec, quant)
     elif name in reader and is_quantizable(name, reader.shape(name)):
         _check_shape(reader, name, expected, spec)
-        # An int8 scale covers a whole row: a slice of the input dim (a row-parallel shard) is quantized
-        # from whole rows, so every rank holds one process's integers. int4's groups of 128 are local:
-        # slices that keep whole groups quantize alike either way, and those that cut one cannot.
-        whole_rows = spec is not None and spec.dim == 1 and quant.method != "int4"
+        # A slice of the input dim (a row-parallel shard) is quantized from whole rows and then cut, so
+        # every rank holds one process's integers: an int8 scale covers a whole row, an int4 group may
+        # straddle two ranks.
+        whole_rows = spec is not None and spec.dim == 1
         read_spec = None if whole_rows else spec
         if reader.is_fp8(name):
             dense = _read_fp8(reader, name, read_spec, False, torch.float32)[0]
@@ -224,47 +230,76 @@ def _load_int_linear(
             dense, used = _read(reader, name, read_spec), {name}
         tensors = quantize_weight(dense, quant)
         if whole_rows:
-            tensors["weight"] = tensors["weight"][:, spec.start : spec.end].contiguous()
+            tensors, quant = _input_columns(tensors, quant, spec, dense.shape[1], name)
     else:
         return None
     module.set_quantized({key: t.to(device) for key, t in tensors.items()}, quant)
     return used
 
 
+def _input_columns(
+    tensors: dict[str, torch.Tensor], quant: IntQuant, spec: ShardSpec, width: int, name: str
+) -> tuple[dict[str, torch.Tensor], IntQuant]:
+    """Input columns [spec.start, spec.end) of whole quantized rows `width` wide, and the IntQuant they run
+    with (int4: the slice's local group size)."""
+    if quant.method != "int4":
+        return {**tensors, "weight": tensors["weight"][:, spec.start : spec.end].contiguous()}, quant
+    group = quant.group_size
+    groups = slice(spec.start // group, -(-spec.end // group))
+    packed = tensors["weight_packed"][:, spec.start // 2 : spec.end // 2]
+    scale, zero = tensors["weight_scale"][:, groups], tensors["weight_zero_point"][:, groups]
+    return _int4_slice(packed, scale, zero, quant, spec, width, name)
+
+
+def _int4_slice(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    quant: IntQuant,
+    spec: ShardSpec,
+    width: int,
+    name: str,
+) -> tuple[dict[str, torch.Tensor], IntQuant]:
+    try:
+        return int4_column_slice(packed, scale, zero, quant, spec.start, spec.end, width)
+    except ValueError as e:
+        raise CheckpointError(f"{name}: {e}") from None
+
+
 def _read_int(
     reader: CheckpointReader, base: str, expected: tuple[int, ...], spec: ShardSpec | None, quant: IntQuant
-) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """One projection's stored integer tensors (keyed as `quantize_weight` keys them), sliced to `spec`:
-    scales follow the output rows; along the input dim an int8 scale is whole and int4 slices whole groups."""
+) -> tuple[dict[str, torch.Tensor], set[str], IntQuant]:
+    """One projection's stored integer tensors (keyed as `quantize_weight` keys them), sliced to `spec`,
+    the names read and the IntQuant they run with: scales follow the output rows; along the input dim an
+    int8 scale is whole and an int4 slice keeps the stored groups as local ones (`int4_column_slice`)."""
     row_spec = spec if spec is not None and spec.dim == 0 else None
     if quant.method != "int4":
         weight, scale = base + "weight", base + "weight_scale"
         _check_shape(reader, weight, expected, spec)
         _check_scale_shape(reader, scale, (reader.shape(weight)[0],), "one per output channel")
         tensors = {"weight": _read(reader, weight, spec), "weight_scale": _read(reader, scale, row_spec)}
-        return tensors, {weight, scale}
+        return tensors, {weight, scale}, quant
     packed, scale, zero = base + "weight_packed", base + "weight_scale", base + "weight_zero_point"
     rows, half = reader.shape(packed)
     k, group = 2 * half, quant.group_size
     _check_shape(reader, packed, expected, spec, full=(rows, k))
     for other in (scale, zero):
         _check_scale_shape(reader, other, (rows, -(-k // group)), f"groups of {group} (quantization_config)")
-    byte_spec = group_spec = spec
-    if spec is not None and spec.dim == 1:
-        if spec.start % group or (spec.end % group and spec.end != k):
-            raise CheckpointError(
-                f"{packed}: shard [{spec.start}, {spec.end}) along dim 1 is not aligned to int4 groups of "
-                f"{group}; pick a parallel layout whose shards are multiples of {group}, or quantize on "
-                "load from the unquantized checkpoint (quantization='int4')"
-            )
-        byte_spec = ShardSpec(1, spec.start // 2, spec.end // 2)
-        group_spec = ShardSpec(1, spec.start // group, -(-spec.end // group))
-    tensors = {
-        "weight_packed": _read(reader, packed, byte_spec),
-        "weight_scale": _read(reader, scale, group_spec),
-        "weight_zero_point": _read(reader, zero, group_spec),
-    }
-    return tensors, {packed, scale, zero}
+    used = {packed, scale, zero}
+    if spec is None or spec.dim == 0:
+        tensors = {"weight_packed": _read(reader, packed, spec), "weight_scale": _read(reader, scale, spec),
+                   "weight_zero_point": _read(reader, zero, spec)}  # fmt: skip
+        return tensors, used, quant
+    # A row-parallel slice: its bytes, and the groups it touches turned into local ones.
+    byte_spec = ShardSpec(1, spec.start // 2, spec.end // 2)
+    group_spec = ShardSpec(1, spec.start // group, -(-spec.end // group))
+    read = [
+        _read(reader, packed, byte_spec),
+        _read(reader, scale, group_spec),
+        _read(reader, zero, group_spec),
+    ]
+    tensors, quant = _int4_slice(*read, quant, spec, k, packed)
+    return tensors, used, quant
 
 
 def _check_scale_shape(reader: CheckpointReader, name: str, expected: tuple[int, ...], why: str) -> None:

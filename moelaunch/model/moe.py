@@ -83,9 +83,17 @@ class MoE(nn.Module):
 
     @property
     def routes_on_device(self) -> bool:
-        """Whether run_on_device can serve this layer: a dispatcher that can, float weights stacked
-        (integer experts keep the path that reads counts back)."""
-        return self.dispatch.routes_on_device and self.gate_up is not None and self.gate_up.quant is None
+        """Whether run_on_device can serve this layer: a dispatcher that can, float weights stacked, or
+        integer ones on the CPU (whose grouped kernels take device offsets; elsewhere integer experts keep
+        the path that reads counts back)."""
+        stack = self.gate_up
+        integer_ok = (
+            stack is not None
+            and stack.weight.device.type == "cpu"
+            and not kernels.use_triton(stack.weight)
+            and kernels.prepare_cpu_kernels()
+        )
+        return self.dispatch.routes_on_device and stack is not None and (stack.quant is None or integer_ok)
 
     def _small_batch_on_device(self, x: torch.Tensor) -> bool:
         # No expert can get more rows than x has: where run_grouped would pick the kernel for any
@@ -119,7 +127,7 @@ class MoE(nn.Module):
     ) -> torch.Tensor:
         """Local expert e on rows offsets[e]:offsets[e+1] of x_sorted: the grouped kernel, else every
         expert padded to `most_rows`, the most any can get."""
-        if kernels.grouped_linear_on_cpu(x_sorted, self.gate_up.weight):
+        if self.gate_up.quant is not None or kernels.grouped_linear_on_cpu(x_sorted, self.gate_up.weight):
             return self.run_grouped_kernel(x_sorted, offsets)
         return self.run_stacked(x_sorted, sorted_ids, offsets[:-1], most_rows)
 

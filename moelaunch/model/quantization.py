@@ -8,13 +8,16 @@ groups of 128 input columns, asymmetric with zero points, two values per byte).
 Only projections (`*_proj.weight`, 2-D: attention, dense MLP, experts, MTP eh_proj) are quantized; the
 embedding, norms, router gate and lm_head keep their dtype. A block-FP8 checkpoint is dequantized to fp32
 first and then quantized (its errors add up: better quantize the bf16 original when there is one).
-Quantizing at load under tensor parallelism quantizes each rank's slice: for a row-parallel projection
-the int8 scales then cover the rank's input columns only (as fine or finer than a converted checkpoint's,
-so outputs differ from it slightly); a converted checkpoint loads every rank's exact slice.
+Under tensor parallelism a rank holds the integers of one process: a row-parallel projection (its input
+columns sliced) is quantized from whole rows, and an int4 slice [a, b) keeps the row's groups as local
+groups of gcd(G, a, b - a) columns, each with its global group's scale and zero point
+(`int4_column_slice`), whether quantized at load or read from a converted checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -48,7 +51,8 @@ def check_quantization(value: Any) -> str:
 
 @dataclass(frozen=True)
 class IntQuant:
-    """How projections are stored and run: method int8 | w8a8 | int4, and int4's group size."""
+    """How projections are stored and run: method int8 | w8a8 | int4, and int4's group size (a model's
+    is the checkpoint's; a Linear's is its own, narrower for some tensor-parallel slices)."""
 
     method: str
     group_size: int = kernels.INT4_GROUP_SIZE
@@ -115,3 +119,42 @@ def quantize_weight(w: torch.Tensor, quant: IntQuant) -> dict[str, torch.Tensor]
         return {"weight_packed": packed, "weight_scale": scale, "weight_zero_point": zero}
     q, scale = kernels.int8_weight_quant(w.float())
     return {"weight": q, "weight_scale": scale}
+
+
+def int4_local_group(group_size: int, start: int, end: int, width: int) -> int:
+    """The group size for input columns [start, end) of int4 rows `width` wide quantized in groups of
+    `group_size`: the widest whose groups each lie inside one of the row's, and a multiple of 16 (the
+    kernels' K tile); a ValueError naming tp and the widths where none is."""
+    local = math.gcd(group_size, start, end - start)
+    if local % 16:
+        tp = width // (end - start)
+        raise ValueError(
+            f"int4 under tensor parallelism: a slice of {end - start} of {width} input columns (tp={tp}) at "
+            f"column {start} cuts the groups of {group_size} into groups of {local}, and the int4 kernels "
+            f"need multiples of 16: choose a tp for which {width}/tp is a multiple of 16"
+        )
+    return local
+
+
+def int4_column_slice(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    quant: IntQuant,
+    start: int,
+    end: int,
+    width: int,
+) -> tuple[dict[str, torch.Tensor], IntQuant]:
+    """Input columns [start, end) of int4 rows `width` wide, with the rows' own groups: `packed` holds the
+    slice's bytes, `scale` and `zero` the rows' groups from the one holding `start` on. Each local group
+    takes its global group's scale and zero point, so the slice dequantizes to the whole row's values.
+    Returns the slice's tensors and its IntQuant (the local group size)."""
+    group = quant.group_size
+    local = int4_local_group(group, start, end, width)
+    of_local = (torch.arange(start, end, local) // group) - start // group
+    tensors = {
+        "weight_packed": packed.contiguous(),
+        "weight_scale": scale[:, of_local].contiguous(),
+        "weight_zero_point": zero[:, of_local].contiguous(),
+    }
+    return tensors, dataclasses.replace(quant, group_size=local)

@@ -3,12 +3,13 @@ builder (MeshShard) on the meta device, listed tensor by tensor with the slice T
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from moelaunch.model.config import ModelArgs
+from moelaunch.model.quantization import IntQuant, int4_local_group, is_quantizable
 from moelaunch.model.shard_spec import weight_shard
 from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.expert_parallel import ExpertPlacement
@@ -51,3 +52,16 @@ def shard_tensors(
         split = (spec.dim, shape.tp) if spec else (None, 1)
         tensors.append(ShardTensor(name, tuple(tensor.shape), *split))
     return tensors
+
+
+def check_int4_slices(tensors: Iterable[ShardTensor], quant: IntQuant) -> None:
+    """A ValueError naming the tensor and tp where a row-parallel int4 slice would run with local groups
+    the kernels cannot take (`int4_local_group`): checked before anything loads, as the loader would
+    refuse it."""
+    for t in tensors:
+        if t.split_dim == 1 and t.tp > 1 and is_quantizable(t.name, t.full_shape):
+            width = t.shape[1]
+            try:  # every rank's slice starts at a multiple of its width: rank 1's stands for all
+                int4_local_group(quant.group_size, width, 2 * width, t.full_shape[1])
+            except ValueError as e:
+                raise ValueError(f"{t.name}: {e}") from None

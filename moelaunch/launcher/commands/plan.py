@@ -27,7 +27,14 @@ from moelaunch.launcher.deploy.plan import (
     latent_segment,
     size_text,
 )
-from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, param_bytes, scale_blocks, tensor_bytes
+from moelaunch.launcher.deploy.weights import (
+    WeightPart,
+    int4_groups,
+    is_fp8,
+    param_bytes,
+    scale_blocks,
+    tensor_bytes,
+)
 from moelaunch.model.quantization import is_quantizable
 from moelaunch.parallel.mesh import LayoutError
 from moelaunch.parallel.placement_file import write_placement_file
@@ -281,7 +288,7 @@ def _tensor_line(t: ShardTensor, plan: LaunchPlan, width: int) -> str:
     if q is not None and is_quantizable(t.name, t.shape):
         rows, cols = t.shape
         if q.method == "int4":
-            groups = math.ceil(cols / q.group_size)
+            groups = int4_groups(t, q)
             text = (
                 f"{t.name:<{width}} [{dims}] = {rows * cols:,} x 0.5 B (int4) + {rows} x {groups} x (4 + 1) B"
             )

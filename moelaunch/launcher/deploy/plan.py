@@ -43,13 +43,13 @@ from moelaunch.launcher.deploy.weights import WeightPart, is_fp8, weight_parts
 from moelaunch.model import prefill_attention
 from moelaunch.model.config import ModelArgs, load_args
 from moelaunch.model.kv_cache import PagedLatentCache
-from moelaunch.model.quantization import IntQuant, is_quantizable, resolve_quantization
+from moelaunch.model.quantization import IntQuant, resolve_quantization
 from moelaunch.parallel.eplb import balanced_placements
 from moelaunch.parallel.expert_parallel import ExpertPlacement
 from moelaunch.parallel.mesh import LayoutError, MeshShape
 from moelaunch.parallel.parallelize import check_layout
 from moelaunch.parallel.placement_file import read_placement_file
-from moelaunch.parallel.shard_tensors import shard_tensors
+from moelaunch.parallel.shard_tensors import check_int4_slices, shard_tensors
 from moelaunch.parallel.stages import assign_stages
 
 GB = 10**9
@@ -267,7 +267,7 @@ def build_plan(cfg: DeployConfig) -> LaunchPlan:
     ]
     if dtype == "fp8":
         _check_fp8_blocks(cfg, shards.values(), block)
-    if quant is not None and quant.method == "int4" and args.quantization:
+    if quant is not None and quant.method == "int4":
         _check_int4_groups(cfg, shards.values(), quant)
     return LaunchPlan(
         cfg,
@@ -337,20 +337,10 @@ def _resolve_quantization(cfg: DeployConfig, args: ModelArgs) -> IntQuant | None
 
 
 def _check_int4_groups(cfg: DeployConfig, shards: Iterable[tuple[WeightPart, ...]], quant: IntQuant) -> None:
-    """An int4 checkpoint's groups run along the input dim: a TP slice there must keep whole groups (the
-    loader refuses it otherwise); quantizing at load has no such limit."""
-    for t in (t for parts in shards for part in parts for t in part.tensors):
-        if (
-            t.split_dim == 1
-            and t.tp > 1
-            and is_quantizable(t.name, t.shape)
-            and t.shape[1] % quant.group_size
-        ):
-            raise LayoutError(
-                f"{cfg.source}: int4 checkpoint with parallel.tp={t.tp}: {t.name}'s slice {t.full_shape[1]}/"
-                f"{t.tp} = {t.shape[1]} is not a multiple of the int4 group size {quant.group_size}: choose "
-                "a tp that keeps slices group-aligned, or quantize at load from the unquantized checkpoint"
-            )
+    try:
+        check_int4_slices((t for parts in shards for part in parts for t in part.tensors), quant)
+    except ValueError as e:
+        raise LayoutError(f"{cfg.source}: parallel.tp={cfg.parallel.tp}: {e}") from None
 
 
 def _placement(cfg: DeployConfig, args: ModelArgs, ep: int) -> ExpertPlacement | None:

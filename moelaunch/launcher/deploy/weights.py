@@ -43,12 +43,20 @@ def scale_blocks(t: ShardTensor, block: tuple[int, int]) -> tuple[int, int]:
     return math.ceil(rows / block[0]), math.ceil(cols / block[1])
 
 
+def int4_groups(t: ShardTensor, quant: IntQuant) -> int:
+    """Groups per row of an int4 projection as a rank holds it: a slice of the input dim keeps local
+    groups of gcd(group, slice) columns (`model.quantization.int4_local_group`)."""
+    cols = t.shape[1]
+    group = math.gcd(quant.group_size, cols) if t.split_dim == 1 and t.tp > 1 else quant.group_size
+    return math.ceil(cols / group)
+
+
 def int_quant_bytes(t: ShardTensor, quant: IntQuant) -> int:
     """A projection under int8 / w8a8: 1 B per value + one fp32 scale per output row; int4: 1 B per two
     values + per row and group one fp32 scale and a 1-byte zero point (model/linear.py's layouts)."""
     rows, cols = t.shape
     if quant.method == "int4":
-        return rows * (cols // 2) + rows * math.ceil(cols / quant.group_size) * (4 + 1)
+        return rows * (cols // 2) + rows * int4_groups(t, quant) * (4 + 1)
     return rows * cols + rows * 4
 
 
