@@ -53,7 +53,7 @@ def static_decode_supported(model: Transformer, cache: PagedLatentCache, single_
         return "top-k block attention selects blocks from values"
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if any(not m.routes_on_device for m in moes):
-        return "experts spread over data-parallel replicas (dp > 1), or not stacked (FP8 or integer experts)"
+        return "experts spread over data-parallel replicas (dp > 1), or not stacked (integer experts)"
     return None
 
 
