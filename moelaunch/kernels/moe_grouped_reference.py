@@ -35,7 +35,7 @@ def moe_grouped_gemm_ref(
     expert_of_row = torch.searchsorted(offsets[1:], pair_numbers(rows, x.device), right=True)
     out = x.new_zeros(rows, weight.shape[1], dtype=torch.float32)
     for e in range(weight.shape[0]):
-        w = F.pad(weight[e], (0, k_x - weight.shape[2]))
+        w = weight[e] if k_x == weight.shape[2] else F.pad(weight[e], (0, k_x - weight.shape[2]))
         if weight_scale is None:
             y = x.float() @ w.float().T
         else:
