@@ -119,6 +119,15 @@ def test_bf16_experts_through_the_triton_kernel(monkeypatch):
     assert kernel_calls == [1]
     # bf16 outputs of each projection, rounded at other points: a few bf16 steps of the largest output.
     torch.testing.assert_close(got, expected, rtol=0, atol=4 * 2**-8 * expected.abs().max().item())
+    # The expert-parallel path hands over host counts (rows already exchanged): the same kernel.
+    counts = [3, 0, 5, 1, 0, 0, 7, 2]
+    x_sorted = torch.randn(sum(counts), x.shape[1], dtype=torch.bfloat16)
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    one_by_one = torch.cat([moe.experts[str(e)](x_sorted[bounds[e] : bounds[e + 1]]) for e in range(8)])
+    torch.testing.assert_close(
+        moe.run_grouped(x_sorted, counts), one_by_one, rtol=0, atol=4 * 2**-8 * one_by_one.abs().max().item()
+    )
+    assert kernel_calls == [1, 1]
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
