@@ -9,8 +9,9 @@ run of under 8 minutes, each part time-boxed so that a failure or a hang costs o
    on and off, batch 1 / 32 / 128, 128 in / 128 out, beside transformers' generate in bf16 (batch 1 and
    32), each against a roofline: B x copy bandwidth / the bytes a step at batch B must read;
 3. one batch-1 decode step under torch.profiler: GPU-busy share, kernels, launch calls, ops and syncs;
-4. kernels.fp8_gemm (4096x7168x16384 and M = 64), the grouped MoE GEMM in bf16 and FP8 beside cuBLAS bf16
-   on the same shapes, paged MLA decode GB/s (64 seqs x 128 heads x 4096 tokens);
+4. kernels.fp8_gemm (4096x7168x16384 and M = 64), the grouped MoE GEMM (kernels.moe_grouped_gemm: one
+   launch for 8 experts) in bf16 and FP8 beside cuBLAS bf16 on the same shapes, paged MLA decode GB/s
+   (64 seqs x 128 heads x 4096 tokens);
 5. tests/test_cuda_kernels.py in a subprocess with TRITON_INTERPRET removed, so Triton compiles.
 
 Each task runs in its own process with a timeout (a hung compile or a CUDA fault, which poisons the

@@ -16,7 +16,6 @@ import torch
 from moelaunch import kernels
 from moelaunch.kernels import fp8_reference as fp8_ref
 from moelaunch.kernels import mla_decode_reference as mla_ref
-from moelaunch.kernels.grouped_linear_reference import per_group
 from moelaunch.kernels.selection import paged_mla_decode_on_cpu
 
 WARMUP = 3
@@ -112,8 +111,9 @@ def fp8_gemm_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[
 
 def grouped_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[str, Any]]:
     """The grouped MoE GEMM: `groups` experts of [N, K] each, M rows split evenly between them (a prefill
-    batch's routed rows), in bf16 (kernels.grouped_linear) and block FP8 (kernels.fp8_linear per expert:
-    the kernels package has no grouped FP8 entry yet), against one bf16 torch.bmm of the same shapes."""
+    batch's routed rows): kernels.moe_grouped_gemm (one launch for every expert, device offsets) in bf16
+    and block FP8 (its activation quantization included, once over all rows), kernels.grouped_linear,
+    and one bf16 torch.bmm of the same shapes (cuBLAS on a GPU)."""
     groups, m, k, n = (4, 64, 256, 256) if quick else (8, 4096, 7168, 4096)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(groups, n, k, device=device, dtype=torch.bfloat16) * 0.05
@@ -125,10 +125,9 @@ def grouped_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[s
     x_b = x.view(groups, m // groups, k)
     grouped_impl = "C++ CPU" if kernels.grouped_linear_on_cpu(x, w) else "torch reference, a GEMM per group"
     timings = {
-        ("grouped bf16", grouped_impl): lambda: kernels.grouped_linear(x, w, offsets),
-        ("grouped fp8", f"fp8_linear per expert ({_impl(x)})"): lambda: per_group(
-            kernels.fp8_linear, x, offsets, w_q, w_s
-        ),
+        ("moe_grouped_gemm bf16", _impl(x)): lambda: kernels.moe_grouped_gemm(x, offsets, w),
+        ("moe_grouped_gemm fp8", _impl(x)): lambda: kernels.moe_grouped_gemm(x, offsets, w_q, w_s),
+        ("grouped_linear bf16", grouped_impl): lambda: kernels.grouped_linear(x, w, offsets),
         ("cuBLAS bf16" if device.type == "cuda" else "torch bf16", "torch.bmm"): lambda: torch.bmm(
             x_b, w.transpose(1, 2)
         ),

@@ -164,3 +164,24 @@ def test_cache_variants_decode_compiled_on_the_gpu(tmp_path, variant):
     assert any("_paged_mla_decode" in name for name in launched), launched
     # convex combinations of cache rows; TF32 scores move the weights by ~2^-10 of |score|
     assert (gpu_out.cpu() - cpu_out).abs().max() <= 0.05
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_grouped_moe_gemm_runs_compiled_on_the_gpu(fp8):
+    """Both projections of every expert, one compiled launch each, against the torch reference on the
+    CPU (empty experts, uneven counts, widths that are not whole 128-blocks)."""
+    from test_kernels_moe_grouped import COUNTS, HIDDEN, Experts, offsets_of
+
+    dtype = torch.float32 if fp8 else torch.bfloat16  # fp32 rows: FP8 quantizes them alike on both
+    experts = Experts(len(COUNTS), seed=10, fp8=fp8, dtype=torch.bfloat16)
+    x = torch.randn(sum(COUNTS), HIDDEN, generator=torch.Generator().manual_seed(11)).to(dtype)
+    args = (x, offsets_of(COUNTS), experts.gate_up, experts.down_w, experts.gate_up_scale, experts.down_scale)
+    expected = kernels.moe_experts(*args)
+    on_gpu = [t.cuda() if t is not None else None for t in args]
+    out, launched = run_on_gpu(lambda: kernels.moe_experts(*on_gpu))
+    assert sum("_moe_gemm_kernel" in name for name in launched) >= 1, launched
+    assert out.dtype == dtype and out.shape == expected.shape
+    # bf16: the hidden rows and the output each one bf16 rounding (possibly on either side); FP8: the
+    # same quantized products, summed in another order.
+    tolerance = (2**-6 if not fp8 else 1e-4) * expected.float().abs().max().item()
+    assert (out.cpu().float() - expected.float()).abs().max().item() <= tolerance

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from tiny_models import make_hf_model
+from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher.cli import main as launch
 from moelaunch.model import CheckpointReader, WeightSpec, load_model
@@ -126,3 +126,32 @@ def test_converting_into_a_non_empty_directory_is_refused(dirs, tmp_path, capsys
     assert launch(["convert", "quantize-fp8", str(original), str(taken)]) == 1
     assert "exists and is not an empty directory" in capsys.readouterr().err
     assert (taken / "model.safetensors").read_bytes() == b"something else"  # nothing overwritten
+
+
+def test_fp8_model_takes_the_static_decode_step_with_the_eager_tokens(tmp_path, monkeypatch):
+    """Kept as FP8, the routed experts stack with their block scales, so the static decode step serves
+    the model (on the CPU through the grouped MoE kernel's torch reference), with no sync inside it
+    (MOELAUNCH_STRICT_DECODE=1) and the eager engine's tokens."""
+    from test_static_decode import count_static_runs, prompts
+
+    from moelaunch.launcher import LLM, SamplingParams
+
+    original = add_byte_tokenizer(make_hf_model(tmp_path / "orig", "v3", initializer_range=0.02))
+    assert launch(["convert", "quantize-fp8", str(original), str(tmp_path / "fp8")]) == 0
+    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(5)]
+    options = dict(dtype="fp8", kv_cache_memory=8_000_000, block_size=4, max_num_seqs=8)
+
+    def run() -> list[list[int]]:
+        outs = llm.generate(prompts(len(params)), params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    with LLM(str(tmp_path / "fp8"), **options) as llm:
+        assert llm.engine.runner.static is None  # compile auto on the CPU: eager
+        expert = llm.engine.runner.model.model.layers["1"].mlp.experts["0"].down_proj
+        assert expert.weight.dtype == torch.float8_e4m3fn
+        expected = run()
+    monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")
+    with LLM(str(tmp_path / "fp8"), **options) as llm:
+        sizes = count_static_runs(llm)
+        assert run() == expected
+    assert len(set(sizes)) >= 3, sizes  # decode steps went through it, at several batch sizes

@@ -7,6 +7,7 @@ import pytest
 import torch
 from error_bounds import gamma
 
+from moelaunch import kernels
 from moelaunch.measure.random_checkpoint import SHAPES
 from moelaunch.model.config import args_from_hf_config
 from moelaunch.model.moe import STACKED_MAX_ROWS, MoE
@@ -68,14 +69,65 @@ def test_paths_taken_by_group_size(monkeypatch, cpu_kernels):
         assert calls == ["run_stacked"]
 
 
-def test_fp8_experts_are_left_unstacked():
-    moe = _random_moe(seed=1)
+def _fp8_experts(moe: MoE) -> None:
+    """Every routed expert's projections block-FP8, as a checkpoint kept in FP8 holds them."""
     for mlp in moe.experts.values():
-        mlp.gate_proj.weight = torch.nn.Parameter(
-            mlp.gate_proj.weight.to(torch.float8_e4m3fn), requires_grad=False
-        )
+        for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            q, s = kernels.weight_quant(lin.weight)
+            lin.weight = torch.nn.Parameter(q, requires_grad=False)
+            lin.weight_scale_inv = s
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 4 * STACKED_MAX_ROWS])
+def test_fp8_experts_stack_and_the_grouped_kernel_matches_expert_by_expert(tokens, monkeypatch):
+    """Block-FP8 experts stack with their scales; the device route (the static step's) runs them through
+    the grouped MoE kernel's reference, and with MOELAUNCH_TRITON_ON_CPU=1 through the interpreted Triton
+    kernel on every batch, against each expert's own W8A8 Linear (the eager CPU path)."""
+    moe = _random_moe(seed=tokens + 2)
+    _fp8_experts(moe)
+    x = torch.randn(tokens, moe.gate.weight.shape[1])
+    expected = moe(x)
     moe.stack_experts()
-    assert moe.gate_up is None
+    assert moe.gate_up is not None and moe.gate_up.block_scale is not None and moe.routes_on_device
+    assert moe.experts["2"].up_proj.weight_scale_inv.data_ptr() == moe.gate_up.block_scale[2, 1:].data_ptr()
+    kernel_calls = []
+    original = moe.run_moe_kernel
+    moe.run_moe_kernel = lambda *a: kernel_calls.append(1) or original(*a)
+    # Activations are quantized per row either way: the same products, summed in another order.
+    tolerance = 1e-5 * expected.abs().max().item()
+    torch.testing.assert_close(moe(x), expected, rtol=0, atol=tolerance)
+    assert not kernel_calls  # eager on the CPU: expert by expert
+    torch.testing.assert_close(moe(x, static=True), expected, rtol=0, atol=tolerance)
+    assert kernel_calls == [1]
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    torch.testing.assert_close(moe(x), expected, rtol=0, atol=tolerance)
+    assert kernel_calls == [1, 1]
+
+
+def test_bf16_experts_through_the_triton_kernel(monkeypatch):
+    """Where Triton runs, every batch takes the grouped MoE kernel with counts kept on the device."""
+    moe = _random_moe(seed=5).to(torch.bfloat16)
+    x = torch.randn(24, moe.gate.weight.shape[1], dtype=torch.bfloat16)
+    monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")  # expert by expert, in bf16
+    expected = moe(x)
+    moe.stack_experts()
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    kernel_calls = []
+    original = moe.run_moe_kernel
+    moe.run_moe_kernel = lambda *a: kernel_calls.append(1) or original(*a)
+    got = moe(x)
+    assert kernel_calls == [1]
+    # bf16 outputs of each projection, rounded at other points: a few bf16 steps of the largest output.
+    torch.testing.assert_close(got, expected, rtol=0, atol=4 * 2**-8 * expected.abs().max().item())
+    # The expert-parallel path hands over host counts (rows already exchanged): the same kernel.
+    counts = [3, 0, 5, 1, 0, 0, 7, 2]
+    x_sorted = torch.randn(sum(counts), x.shape[1], dtype=torch.bfloat16)
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    one_by_one = torch.cat([moe.experts[str(e)](x_sorted[bounds[e] : bounds[e + 1]]) for e in range(8)])
+    torch.testing.assert_close(
+        moe.run_grouped(x_sorted, counts), one_by_one, rtol=0, atol=4 * 2**-8 * one_by_one.abs().max().item()
+    )
+    assert kernel_calls == [1, 1]
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])

@@ -53,9 +53,7 @@ def static_decode_supported(model: Transformer, cache: PagedLatentCache, single_
         return "top-k block attention selects blocks from values"
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if any(not m.routes_on_device for m in moes):
-        return (
-            "experts spread over data-parallel replicas (dp > 1), not stacked (FP8), or integer off the CPU"
-        )
+        return "experts spread over data-parallel replicas (dp > 1), or integer experts off the CPU"
     return None
 
 

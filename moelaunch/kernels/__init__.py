@@ -1,10 +1,10 @@
-"""Block-scaled FP8, INT8/INT4 weight, paged MLA decode and few-row linear kernels: Triton on CUDA;
-on the CPU C++ kernels for paged MLA decode (fp32, bf16 and fp8 caches), few-row linears, integer-weight
-linears (`int_linear_cpu`) and the fused per-token steps (`kernels/fused.py`), torch references for
-the rest.
+"""Block-scaled FP8, INT8/INT4 weight, paged MLA decode, grouped MoE and few-row linear kernels: Triton
+on CUDA; on the CPU C++ kernels for paged MLA decode (fp32, bf16 and fp8 caches), few-row linears,
+integer-weight linears (`int_linear_cpu`) and the fused per-token steps (`kernels/fused.py`), torch
+references for the rest.
 
 `selection` says which implementation runs a call, from its tensors' device, dtype and layout; the entry
-points (`dispatch`, `int_dispatch`, `fused`) ask it on every call.
+points (`dispatch`, `int_dispatch`, `fused`, `moe_grouped`) ask it on every call.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from moelaunch.kernels.int_dispatch import (
     w8a8_linear,
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
+from moelaunch.kernels.moe_grouped import moe_experts, moe_grouped_gemm
 from moelaunch.kernels.paged_store import store_rows
 from moelaunch.kernels.selection import (
     grouped_linear_on_cpu,
@@ -80,6 +81,8 @@ __all__ = [
     "linear",
     "mla_latent",
     "moe_combine",
+    "moe_experts",
+    "moe_grouped_gemm",
     "moe_route",
     "moe_sort_rows",
     "paged_mla_decode",

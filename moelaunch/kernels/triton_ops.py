@@ -1,6 +1,7 @@
-"""The FP8 and paged MLA decode Triton kernels as torch custom ops, `torch.ops.moelaunch.<name>`, each
-with a fake implementation, so torch.compile (and CUDA graph capture of a compiled step) traces through
-them as one op each. Imported only where Triton runs (`dispatch` imports it lazily).
+"""The FP8, paged MLA decode and grouped MoE Triton kernels as torch custom ops,
+`torch.ops.moelaunch.<name>`, each with a fake implementation, so torch.compile (and CUDA graph capture
+of a compiled step) traces through them as one op each. Imported only where Triton runs (`dispatch`
+imports it lazily).
 
 As for the CPU kernels (`cpu_ops`), eager calls outside a trace take the launcher function directly;
 `entry(module)` gives the one to call. A new launcher follows the same pattern: define an op named after
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import fp8_triton, int4_triton, int8_triton, mla_decode_triton
+from moelaunch.kernels import fp8_triton, int4_triton, int8_triton, mla_decode_triton, moe_grouped_triton
 from moelaunch.kernels.cpu_ops import traced
 from moelaunch.kernels.fp8_reference import FP8_DTYPE
 
@@ -115,3 +116,25 @@ def int4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, g
 @int4_linear_triton.register_fake
 def _(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> Tensor:
     return x.new_empty(*x.shape[:-1], packed.shape[0])
+
+
+@torch.library.custom_op("moelaunch::moe_grouped_gemm_triton", mutates_args=())
+def moe_grouped_gemm_triton(
+    x: Tensor,
+    x_scale: Tensor | None,
+    offsets: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor | None,
+    silu: bool,
+    row_weights: Tensor | None,
+    out_cols: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    return moe_grouped_triton.moe_grouped_gemm_triton(
+        x, x_scale, offsets, weight, weight_scale, silu, row_weights, out_cols, out_dtype
+    )
+
+
+@moe_grouped_gemm_triton.register_fake
+def _(x, x_scale, offsets, weight, weight_scale, silu, row_weights, out_cols, out_dtype) -> Tensor:
+    return x.new_empty(x.shape[0], out_cols, dtype=out_dtype)

@@ -1,6 +1,7 @@
 """One projection of every local routed expert, stacked on a new first dimension, for the grouped kernels
-(`MoE.run_grouped_kernel`): a float weight [E, N, K], or integer weights (`model/linear.py`) with their
-scales and int4 zero points stacked alike. Each expert's Linear then holds views of the stack."""
+(`MoE.run_grouped_kernel`, `MoE.run_moe_kernel`): a float weight [E, N, K], block-FP8 weights with their
+128x128 block scales, or integer weights (`model/linear.py`) with their scales and int4 zero points
+stacked alike. Each expert's Linear then holds views of the stack."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from moelaunch.model.linear import Linear
 from moelaunch.model.quantization import IntQuant
 
 # A Linear's tensors, as (attribute, stack field), in stacking order.
-_TENSORS = (("weight", "weight"), ("weight_scale", "scale"), ("weight_zero_point", "zero"))
+_TENSORS = (
+    ("weight", "weight"),
+    ("weight_scale", "scale"),
+    ("weight_zero_point", "zero"),
+    ("weight_scale_inv", "block_scale"),
+)
 
 
 @dataclass
@@ -22,36 +28,39 @@ class ExpertStack:
     weight: Tensor
     scale: Tensor | None = None
     zero: Tensor | None = None
+    # Block-FP8: [E, sum of the projections' ceil(N/128), ceil(K/128)]; each projection's block rows start
+    # a new scale row, as in the checkpoint.
+    block_scale: Tensor | None = None
     quant: IntQuant | None = None
 
     @classmethod
     @torch.no_grad()
     def of(cls, experts: list[list[Linear]]) -> ExpertStack | None:
         """experts[e]: the Linears whose outputs expert e's stacked projection concatenates (e.g. its gate
-        and up projections). None when they cannot stack: block-FP8 weights, or mixed formats."""
+        and up projections). None when they cannot stack: mixed formats, or 1-byte weights without block
+        scales."""
         first = experts[0][0]
         if any(
             lin.quant != first.quant or lin.weight.dtype != first.weight.dtype for e in experts for lin in e
         ):
             return None
-        if first.quant is None and first.weight.element_size() < 2:
+        if first.quant is None and first.weight.element_size() < 2 and first.weight_scale_inv is None:
             return None
         tensors = {}
         for attr, field in _TENSORS:
             if getattr(first, attr) is not None:
                 tensors[field] = torch.stack([torch.cat([getattr(lin, attr) for lin in e]) for e in experts])
         stack = cls(**tensors, quant=first.quant)
-        for e, projections in enumerate(experts):
-            start = 0
-            for lin in projections:
-                rows = slice(start, start + lin.weight.shape[0])
-                start = rows.stop
-                for attr, field in _TENSORS:
-                    if field in tensors:
-                        view = tensors[field][e, rows]
-                        setattr(
-                            lin, attr, nn.Parameter(view, requires_grad=False) if attr == "weight" else view
-                        )
+        for attr, field in _TENSORS:
+            if field not in tensors:
+                continue
+            for e, projections in enumerate(experts):
+                start = 0  # each tensor's own rows (block-FP8 scales: one per 128 weight rows)
+                for lin in projections:
+                    rows = slice(start, start + getattr(lin, attr).shape[0])
+                    start = rows.stop
+                    view = tensors[field][e, rows]
+                    setattr(lin, attr, nn.Parameter(view, requires_grad=False) if attr == "weight" else view)
         return stack
 
     def grouped(self, x: Tensor, offsets: Tensor) -> Tensor:

@@ -83,9 +83,9 @@ class MoE(nn.Module):
 
     @property
     def routes_on_device(self) -> bool:
-        """Whether run_on_device can serve this layer: a dispatcher that can, float weights stacked, or
-        integer ones on the CPU (whose grouped kernels take device offsets; elsewhere integer experts keep
-        the path that reads counts back)."""
+        """Whether run_on_device can serve this layer: a dispatcher that can, float or block-FP8 weights
+        stacked, or integer ones on the CPU (whose grouped kernels take device offsets; elsewhere integer
+        experts keep the path that reads counts back)."""
         stack = self.gate_up
         integer_ok = (
             stack is not None
@@ -102,7 +102,10 @@ class MoE(nn.Module):
             isinstance(self.dispatch, LocalDispatch)
             and self.gate_up is not None
             and self.gate_up.quant is None
-            and kernels.uses_grouped_linear_kernel(x, x.shape[0], self.gate_up.weight, STACKED_MAX_ROWS)
+            and (
+                kernels.use_triton(x)  # the grouped MoE kernel: any batch, no counts read back
+                or kernels.uses_grouped_linear_kernel(x, x.shape[0], self.gate_up.weight, STACKED_MAX_ROWS)
+            )
         )
 
     def run_on_device(
@@ -125,8 +128,11 @@ class MoE(nn.Module):
     def run_by_offsets(
         self, x_sorted: torch.Tensor, sorted_ids: torch.Tensor, offsets: torch.Tensor, most_rows: int
     ) -> torch.Tensor:
-        """Local expert e on rows offsets[e]:offsets[e+1] of x_sorted: the grouped kernel, else every
-        expert padded to `most_rows`, the most any can get."""
+        """Local expert e on rows offsets[e]:offsets[e+1] of x_sorted: the grouped MoE kernel (Triton; for
+        block-FP8 experts on the CPU its reference), the CPU grouped kernel, else every expert padded to
+        `most_rows`, the most any can get."""
+        if kernels.use_triton(x_sorted) or self.gate_up.block_scale is not None:
+            return self.run_moe_kernel(x_sorted, offsets)
         if self.gate_up.quant is not None or kernels.grouped_linear_on_cpu(x_sorted, self.gate_up.weight):
             return self.run_grouped_kernel(x_sorted, offsets)
         return self.run_stacked(x_sorted, sorted_ids, offsets[:-1], most_rows)
@@ -135,7 +141,7 @@ class MoE(nn.Module):
         """Stack the local experts' weights for inference on small batches (see run_grouped).
 
         Each expert's tensors become views of the stacks, so nothing is held twice and the experts still
-        work one by one. Plain float and integer weights stack; block-FP8 experts keep their kernels.
+        work one by one. Plain float, block-FP8 and integer weights stack.
         """
         mlps = [self.experts[str(j)] for j in self.local_ids]
         if not mlps:
@@ -159,7 +165,10 @@ class MoE(nn.Module):
                 return self.run_grouped_kernel(
                     x_sorted, torch.tensor(list(accumulate(local_counts, initial=0)))
                 )
-        elif stack is not None:
+        elif stack is not None and kernels.use_triton(x_sorted):
+            offsets = torch.tensor(list(accumulate(local_counts, initial=0)), device=x_sorted.device)
+            return self.run_moe_kernel(x_sorted, offsets)
+        elif stack is not None and stack.block_scale is None:  # on the CPU FP8 experts go one by one
             if kernels.uses_grouped_linear_kernel(x_sorted, largest, stack.weight, STACKED_MAX_ROWS):
                 return self.run_grouped_kernel(
                     x_sorted, torch.tensor(list(accumulate(local_counts, initial=0)))
@@ -183,6 +192,14 @@ class MoE(nn.Module):
         offsets[e]:offsets[e+1]: no padding, idle experts' weights unread."""
         gate, up = self.gate_up.grouped(x_sorted, offsets).chunk(2, dim=-1)
         return self.down.grouped(kernels.silu_mul(gate, up), offsets)
+
+    def run_moe_kernel(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The local experts through the grouped MoE kernel, local expert e on rows offsets[e]:offsets[e+1]
+        (offsets on the device, never read back): one launch per projection, SiLU gating in the first."""
+        gate_up, down = self.gate_up, self.down
+        return kernels.moe_experts(
+            x_sorted, offsets, gate_up.weight, down.weight, gate_up.block_scale, down.block_scale
+        )
 
     def run_stacked(
         self, x_sorted: torch.Tensor, group: torch.Tensor, first_row: torch.Tensor, width: int
