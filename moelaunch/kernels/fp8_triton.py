@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from moelaunch.kernels.fp8_reference import AMAX_FLOOR, BLOCK_SIZE, FP8_DTYPE, FP8_MAX
-from moelaunch.kernels.triton_interpreter import interpreting
+from moelaunch.kernels.triton_interpreter import interpreting, sm_count
 
 # Triton kernels may read only constexpr globals.
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
@@ -188,7 +188,6 @@ SMALL_M = 64
 # K blocks (so its loads still pipeline), and at most MAX_SPLIT_K partial sums to add.
 MIN_K_BLOCKS_PER_SPLIT = 4
 MAX_SPLIT_K = 8
-INTERPRETER_SMS = 8  # the interpreter has no SMs: a nominal count, as in mla_decode_triton
 
 # The same kernel, autotuned over each list on a GPU.
 _TUNED = {
@@ -209,12 +208,6 @@ def split_k_for(m: int, n: int, k: int, sms: int) -> int:
     return max(1, min(sms // tiles, (k // BLOCK_SIZE) // MIN_K_BLOCKS_PER_SPLIT, MAX_SPLIT_K))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def fp8_gemm_triton(
     a: Tensor, a_s: Tensor, b: Tensor, b_s: Tensor, out_dtype: torch.dtype | None = None
 ) -> Tensor:
@@ -225,7 +218,7 @@ def fp8_gemm_triton(
     k = a.shape[-1]
     m, n = a.numel() // max(1, k), b.shape[0]
     small = m <= SMALL_M
-    split_k = split_k_for(m, n, k, _sm_count(a.device)) if small else 1
+    split_k = split_k_for(m, n, k, sm_count(a.device)) if small else 1
     config = (SMALL_M_CONFIGS if small else LARGE_M_CONFIGS)[0] if interpreting() else None
     return fp8_gemm_with(a, a_s, b, b_s, out_dtype, config=config, split_k=split_k)
 

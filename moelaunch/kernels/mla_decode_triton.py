@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from moelaunch.kernels.triton_interpreter import interpreting
+from moelaunch.kernels.triton_interpreter import interpreting, sm_count
 
 # Heads per program: at least 16 (tl.dot's minimum tile side on a GPU; fewer heads are masked), at most 64
 # for 16-bit and fp8 caches (a [64, 512] fp32 accumulator and bf16 query fill 8 warps' registers), 32 for
@@ -37,8 +37,6 @@ TOKENS_PER_TILE = 32
 # A split below this many tokens costs more in its partial output and the combine than it saves.
 MIN_TOKENS_PER_SPLIT = 128
 MAX_SPLITS = 64
-# The interpreter has no SMs: a small nominal count keeps the split path in use at test sizes.
-INTERPRETER_SMS = 8
 
 
 @triton.jit
@@ -195,12 +193,6 @@ def num_splits(rows: int, head_tiles: int, max_tokens: int, sms: int) -> int:
     the SMs without starting a second, partial one, and none shorter than MIN_TOKENS_PER_SPLIT of what the
     block table can hold."""
     return max(1, min(sms // (rows * head_tiles), max_tokens // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
-
-
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def paged_mla_decode_triton(
