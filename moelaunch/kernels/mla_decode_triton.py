@@ -164,16 +164,17 @@ def _combine_splits_kernel(
     qh = tl.program_id(0)
     ss = tl.arange(0, BLOCK_S)
     cs = tl.arange(0, BLOCK_C)
-    s_ok = ss < SPLITS
-    lse = tl.load(lse_ptr + qh * SPLITS + ss, mask=s_ok, other=float("-inf"))
-    # The first split always holds the row's first token, so the max is finite.
-    weight = tl.exp(lse - tl.max(lse, axis=0))
-    part = tl.load(
-        part_ptr + (qh * SPLITS + ss)[:, None] * C + cs[None, :],
-        mask=s_ok[:, None] & (cs < C)[None, :],
-        other=0.0,
-    )
-    out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)
+    lses = lse_ptr + qh * SPLITS
+    # The first split always holds the row's first token, so the max is finite; empty splits weigh 0.
+    lse = tl.load(lses + ss, mask=ss < SPLITS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    total = tl.sum(tl.exp(lse - top), axis=0)
+    # One split's row at a time: a [SPLITS, C] tile would not fit in registers at 64 splits.
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for split in range(SPLITS):
+        part = tl.load(part_ptr + (qh * SPLITS + split) * C + cs, mask=cs < C, other=0.0)
+        acc += tl.exp(tl.load(lses + split) - top) * part
+    out = acc / total
     tl.store(out_ptr + qh * C + cs, out.to(out_ptr.dtype.element_ty), mask=cs < C)
 
 
