@@ -17,6 +17,7 @@ from moelaunch import kernels
 from moelaunch.kernels import fp8_reference as fp8_ref
 from moelaunch.kernels import mla_decode_reference as mla_ref
 from moelaunch.kernels.selection import paged_mla_decode_on_cpu
+from moelaunch.kernels.triton_interpreter import sm_count
 
 WARMUP = 3
 
@@ -80,26 +81,61 @@ def _impl(x: torch.Tensor) -> str:
     return "triton" if kernels.use_triton(x) else "torch reference"
 
 
+def _fp8_gemm_impl(x_q: torch.Tensor, n: int) -> str:
+    """Which FP8 GEMM path kernels.fp8_gemm takes for x_q's rows (as `fp8_triton` decides)."""
+    if not kernels.use_triton(x_q):
+        return "torch reference"
+    from moelaunch.kernels import fp8_triton as tri
+
+    m, k = x_q.shape
+    if m > tri.SMALL_M:
+        return "triton, prefill tiles (autotuned)"
+    split = tri.split_k_for(m, n, k, sm_count(x_q.device))
+    return f"triton, small-M path: 16 rows, A/B swapped, split K {split} (autotuned)"
+
+
 def fp8_gemm_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[str, Any]]:
     """kernels.fp8_gemm (activations quantized beforehand) against a bf16 torch.matmul of the same
-    M x K x N, at a prefill M and at a decode M (where reading the weight is the cost: GB/s too)."""
-    k, n = (256, 512) if quick else (7168, 16384)
-    w_q, w_s = _fp8_weight(n, k, device)
-    w_bf16 = fp8_ref.weight_dequant_ref(w_q, w_s, out_dtype=torch.bfloat16)
+    M x K x N, at a prefill M and at decode Ms (where reading the weight is the cost: GB/s too); where
+    Triton runs, each decode M also with one fixed tile of up to 64 rows x 128 columns, the kernel as it
+    was before the small-M path (its peer)."""
+    shapes = (
+        [(64, 256, 512), (4, 1024, 256)]
+        if quick
+        else [(4096, 7168, 16384), (64, 7168, 16384), (4, 2048, 2048)]
+    )
     bf16_name = "cuBLAS bf16" if device.type == "cuda" else "torch bf16"
     rows = []
-    for m in (64, 16) if quick else (4096, 64):
+    for m, k, n in shapes:
+        w_q, w_s = _fp8_weight(n, k, device)
+        w_bf16 = fp8_ref.weight_dequant_ref(w_q, w_s, out_dtype=torch.bfloat16)
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         x_q, x_s = kernels.act_quant(x)
         runs = [
             (
                 "fp8_gemm",
-                _impl(x_q),
+                _fp8_gemm_impl(x_q, n),
                 w_q,
-                lambda x_q=x_q, x_s=x_s: kernels.fp8_gemm(x_q, x_s, w_q, w_s, torch.bfloat16),
+                lambda x_q=x_q, x_s=x_s, w_q=w_q, w_s=w_s: kernels.fp8_gemm(
+                    x_q, x_s, w_q, w_s, torch.bfloat16
+                ),
             ),
-            (bf16_name, "torch.matmul", w_bf16, lambda x=x: x @ w_bf16.T),
+            (bf16_name, "torch.matmul", w_bf16, lambda x=x, w_bf16=w_bf16: x @ w_bf16.T),
         ]
+        if kernels.use_triton(x_q) and m <= 64:
+            from moelaunch.kernels import fp8_triton as tri
+
+            before = tri.GemmConfig(tri._gemm_block_m(m), 128, num_warps=4, num_stages=3)
+            runs.append(
+                (
+                    "fp8_gemm, before",
+                    f"triton, one {before.block_m}x128 tile, no split",
+                    w_q,
+                    lambda x_q=x_q, x_s=x_s, w_q=w_q, w_s=w_s, c=before: tri.fp8_gemm_with(
+                        x_q, x_s, w_q, w_s, torch.bfloat16, config=c
+                    ),
+                )
+            )
         for name, impl, weight, fn in runs:
             timing = rate(time_ms(fn, device, repeats), 2 * m * n * k, "TFLOP/s")
             weight_gb_s = weight.numel() * weight.element_size() / timing["ms"] / 1e6
@@ -140,8 +176,19 @@ def grouped_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[s
 
 def mla_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[str, Any]]:
     """kernels.paged_mla_decode over a bf16 latent cache (blocks of 64 in shuffled order), and its torch
-    reference; GB/s counts the cache, queries and outputs once."""
-    seqs, heads, tokens = (4, 16, 256) if quick else (64, 128, 4096)
+    reference; GB/s counts the cache, queries and outputs once. Where Triton runs, also without the split
+    over the sequence and as the kernel was before it (16-head tiles, no split), at the issue's 64
+    sequences and at a small decode batch, where one program per row and head tile leaves SMs idle."""
+    shapes = [(4, 16, 256)] if quick else [(64, 128, 4096), (4, 128, 4096)]
+    rows = []
+    for seqs, heads, tokens in shapes:
+        rows += _mla_shape_rows(device, seqs, heads, tokens, repeats)
+    return rows
+
+
+def _mla_shape_rows(
+    device: torch.device, seqs: int, heads: int, tokens: int, repeats: int
+) -> list[dict[str, Any]]:
     c_dim, p_dim, block = 512, 64, 64
     per_seq = tokens // block
     table = torch.randperm(seqs * per_seq, device=device).view(seqs, per_seq).to(torch.int32)
@@ -150,24 +197,33 @@ def mla_rows(device: torch.device, quick: bool, repeats: int) -> list[dict[str, 
     q_pe = torch.randn(seqs, heads, p_dim, device=device, dtype=torch.bfloat16)
     seq_lens = torch.full((seqs,), tokens, dtype=torch.int32, device=device)
     args = (q_latent, q_pe, cache, table, seq_lens, (c_dim + p_dim) ** -0.5)
-    mla_impl = "C++ CPU" if paged_mla_decode_on_cpu(q_latent) else _impl(q_latent)
+    decode = lambda: kernels.paged_mla_decode(*args)  # noqa: E731
+    runs = [
+        ("paged_mla_decode", "C++ CPU" if paged_mla_decode_on_cpu(q_latent) else "torch reference", decode)
+    ]
+    if kernels.use_triton(q_latent):
+        from moelaunch.kernels import mla_decode_triton as tri
+
+        tile = tri.heads_per_program(heads, cache.dtype)
+        splits = tri.num_splits(seqs, -(-heads // tile), tokens, sm_count(device))
+        runs = [("paged_mla_decode", f"triton, {tile}-head tiles, {splits} splits", decode)]
+        timed = {(tile, splits)}
+        for name, peer_tile in (("no split", tile), ("before", 16)):
+            if (peer_tile, 1) not in timed:
+                timed.add((peer_tile, 1))
+                runs.append(
+                    (
+                        f"paged_mla_decode, {name}",
+                        f"triton, {peer_tile}-head tiles, 1 split",
+                        lambda t=peer_tile: tri.paged_mla_decode_split(*args, heads=t, splits=1),
+                    )
+                )
+    timings = [(name, impl, time_ms(fn, device, repeats)) for name, impl, fn in runs]
+    reference = time_ms(lambda: mla_ref.paged_mla_decode_ref(*args), device, max(3, repeats // 4))
+    timings.append(("paged_mla_decode_ref", "torch reference", reference))
     moved = 2 * (cache.numel() + q_latent.numel() + q_pe.numel() + seqs * heads * c_dim)
     shape = f"{seqs} seqs x {heads} heads x {tokens} tokens"
     return [
-        {
-            "kernel": "paged_mla_decode",
-            "impl": mla_impl,
-            "shape": shape,
-            **rate(time_ms(lambda: kernels.paged_mla_decode(*args), device, repeats), moved, "GB/s"),
-        },
-        {
-            "kernel": "paged_mla_decode_ref",
-            "impl": "torch reference",
-            "shape": shape,
-            **rate(
-                time_ms(lambda: mla_ref.paged_mla_decode_ref(*args), device, max(3, repeats // 4)),
-                moved,
-                "GB/s",
-            ),
-        },
+        {"kernel": name, "impl": impl, "shape": shape, **rate(timing, moved, "GB/s")}
+        for name, impl, timing in timings
     ]

@@ -36,10 +36,30 @@ def test_fp8_linear_compiled_matches_reference():
     assert torch.equal(dense, ref.weight_dequant_ref(w_q, w_s, out_dtype=torch.float32))
 
 
+@pytest.mark.parametrize(("m", "k"), [(4, 2048), (200, 1024)], ids=["small-m-split-k", "large-m"])
+def test_fp8_gemm_autotuned_paths_match_reference(m, k):
+    """The decode path (M <= 64: swapped operands, K split 4 ways on any GPU with >= 12 SMs) and the prefill
+    tiles, each autotuned over its list, against the reference."""
+    from moelaunch.kernels import fp8_triton
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    x_q, x_s = kernels.act_quant(torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16))
+    w_q, w_s = ref.weight_quant_ref(torch.randn(384, k, device="cuda", generator=g) * 0.05)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert m > fp8_triton.SMALL_M or fp8_triton.split_k_for(m, 384, k, sms) == 4
+    out, launched = run_on_gpu(lambda: kernels.fp8_gemm(x_q, x_s, w_q, w_s, out_dtype=torch.float32))
+    assert any("_fp8_gemm_kernel" in name for name in launched), launched
+    expected = ref.fp8_gemm_ref(x_q, x_s, w_q, w_s, out_dtype=torch.float32)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_mla_decode_compiled_matches_reference(dtype):
+def test_paged_mla_decode_compiled_matches_reference(dtype, heads):
+    """Five rows: the sequence is split (one wave over the SMs) and combined; 128 heads in tiles of 64
+    (bf16) or 32 (fp32)."""
     g = torch.Generator(device="cuda").manual_seed(1)
-    rows, heads, c_dim, p_dim, block_size = 5, 16, 512, 64, 64
+    rows, c_dim, p_dim, block_size = 5, 512, 64, 64
     seq_lens = torch.tensor([1, 64, 131, 700, 4096], dtype=torch.int32, device="cuda")
     blocks_each = (seq_lens + block_size - 1) // block_size
     num_blocks = int(blocks_each.sum())

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_check
 from benchmarks import gpu_check_roofline as roofline
@@ -82,6 +83,29 @@ def test_what_needs_cuda_says_it_was_skipped(quick_run):
     impls = {r["kernel"]: r["impl"] for r in full["parts"]["4"]["table"]}
     assert impls["fp8_gemm"] == "torch reference"  # no FP8 Triton without CUDA
     assert "Triton skipped (it compiles for CUDA only): the CPU paths ran" in stdout
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_kernel_rows_time_the_triton_paths_and_their_peers(monkeypatch):
+    """Part 4 where Triton runs (here interpreted, timings meaningless): the FP8 GEMM's small-M path beside
+    the kernel's tiles before it, and MLA decode with its splits, without them, and as before."""
+    from benchmarks import gpu_check_kernels as ker
+
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    cpu = torch.device("cpu")
+    gemm = {(r["kernel"], r["shape"]): r["impl"] for r in ker.fp8_gemm_rows(cpu, True, 1)}
+    assert (
+        gemm[("fp8_gemm", "4x1024x256")]
+        == "triton, small-M path: 16 rows, A/B swapped, split K 2 (autotuned)"
+    )
+    assert gemm[("fp8_gemm, before", "4x1024x256")] == "triton, one 16x128 tile, no split"
+    assert gemm[("fp8_gemm, before", "64x256x512")] == "triton, one 64x128 tile, no split"
+    mla = {r["kernel"]: r["impl"] for r in ker.mla_rows(cpu, True, 1)}
+    assert mla == {
+        "paged_mla_decode": "triton, 16-head tiles, 2 splits",
+        "paged_mla_decode, no split": "triton, 16-head tiles, 1 split",
+        "paged_mla_decode_ref": "torch reference",
+    }
 
 
 def _args(tmp_path: Path) -> argparse.Namespace:

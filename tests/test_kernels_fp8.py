@@ -183,6 +183,56 @@ def test_fp8_gemm_triton_batched_bf16_and_empty(tri):
     assert empty.shape == (0, 200)
 
 
+def _gemm_configs() -> list:
+    from moelaunch.kernels import fp8_triton
+
+    return [
+        *[pytest.param(c, 1, 130, id=f"large-{c.block_m}x{c.block_n}") for c in fp8_triton.LARGE_M_CONFIGS],
+        # K = 640 is 5 blocks: 3 splits of 2, 2 and 1 blocks; 4 splits leave the last one empty.
+        *[
+            pytest.param(c, split, m, id=f"small-{c.block_n}-split{split}-m{m}")
+            for c in fp8_triton.SMALL_M_CONFIGS
+            for split, m in ((1, 64), (3, 5), (4, 1))
+        ],
+    ]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("config", "split_k", "m"), _gemm_configs())
+def test_fp8_gemm_each_config_matches_reference(tri, config, split_k, m):
+    """Every config of both autotune lists once (on a GPU the autotuner picks among them), with and
+    without K splits, a partial column tile (N = 200) and partial row tiles."""
+    a, a_s = _quantized_act((m, 640), seed=m + split_k)
+    b, b_s = _quantized_weight(200, 640, seed=11)
+    out = tri.fp8_gemm_with(a, a_s, b, b_s, torch.float32, config=config, split_k=split_k)
+    assert out.shape == (m, 200)
+    _assert_gemm_close(out, ref.fp8_gemm_ref(a, a_s, b, b_s, out_dtype=torch.float32))
+
+
+def test_fp8_gemm_split_k_from_static_shapes(tri):
+    # Decode on 132 SMs: a narrow projection splits K until one wave is full, a wide one does not split.
+    assert tri.split_k_for(m=4, n=2048, k=7168, sms=132) == 8
+    assert tri.split_k_for(m=4, n=4096, k=2048, sms=132) == 4  # 16 K blocks: at least 4 per split
+    assert tri.split_k_for(m=64, n=16384, k=7168, sms=132) == 1
+    assert tri.split_k_for(m=1, n=7168, k=512, sms=132) == 1
+
+
+@needs_interpreter
+def test_fp8_gemm_decode_entry_takes_the_small_m_path(tri, monkeypatch):
+    """kernels.fp8_gemm at M = 4 runs the first small-M config with the K split its shapes give."""
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    calls = []
+    with_config = tri.fp8_gemm_with
+    monkeypatch.setattr(
+        tri, "fp8_gemm_with", lambda *args, **kw: calls.append(kw) or with_config(*args, **kw)
+    )
+    a, a_s = _quantized_act((4, 1024), seed=12)
+    b, b_s = _quantized_weight(256, 1024, seed=13)
+    out = kernels.fp8_gemm(a, a_s, b, b_s, out_dtype=torch.float32)
+    _assert_gemm_close(out, ref.fp8_gemm_ref(a, a_s, b, b_s, out_dtype=torch.float32))
+    assert calls == [{"config": tri.SMALL_M_CONFIGS[0], "split_k": 2}]
+
+
 def test_fp8_gemm_reference_is_dequantized_matmul():
     a, a_s = _quantized_act((5, 384), seed=8)
     b, b_s = _quantized_weight(200, 384, seed=9)

@@ -20,6 +20,7 @@ from torch import Tensor
 from moelaunch import kernels
 from moelaunch.kernels import mla_decode_cpu as cpu
 from moelaunch.kernels import mla_decode_reference as ref
+from moelaunch.kernels.triton_interpreter import INTERPRETER_SMS
 
 needs_interpreter = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -165,14 +166,105 @@ def test_triton_matches_reference(tri, heads, c_dim, p_dim, block_size):
 @needs_interpreter
 def test_triton_strided_inputs_and_head_blocks(tri):
     """A cache view with padded rows (only the last dim contiguous), a transposed q_latent, int64 lengths,
-    and 20 heads: two head blocks per row, the second partial."""
+    and 20 heads in tiles of 16: two head tiles per row, the second partial."""
     g = torch.Generator().manual_seed(7)
     b = _paged_batch(g, 20, 64, 16, 16, *_lens_and_sharing(16))
     padded = torch.randn(*b.cache.shape[:-1], 80 + 8, generator=g)
     padded[..., :80] = b.cache
     q_latent = b.q_latent.transpose(0, 1).contiguous().transpose(0, 1)
     args = (q_latent, b.q_pe, padded[..., :80], b.block_table, b.seq_lens.long(), 0.125)
-    _check_decode(tri.paged_mla_decode_triton(*args), b, 0.125)
+    _check_decode(tri.paged_mla_decode_split(*args, heads=16, splits=1), b, 0.125)
+    _check_decode(tri.paged_mla_decode_triton(*args), b, 0.125)  # one tile of 32
+
+
+# --- split-KV: the sequence split over programs, then combined ----------------------------------------
+
+
+def _split_batch(heads: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> PagedBatch:
+    """Uneven lengths in blocks of 16: 1 token, less than a tile, and rows long enough for several splits;
+    the table holds 320 tokens, so most splits of the short rows are empty."""
+    lens, row_seq = [1, 7, 150, 300, 33], [0, 1, 2, 3, 4]
+    return _paged_batch(torch.Generator().manual_seed(seed), heads, 64, 16, 16, lens, row_seq, dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("heads", "tile", "splits"), [(128, 64, 2), (128, 64, 8), (20, 16, 3)])
+def test_split_kv_matches_naive_loop(tri, heads, tile, splits):
+    """Several splits, each row's tokens divided between them; unowned slots are NaN, so a split that
+    read past its row's range would poison the output."""
+    b = _split_batch(heads, seed=splits)
+    out = tri.paged_mla_decode_split(*b.args(), 0.125, heads=tile, splits=splits)
+    _check_decode(out, b, 0.125)
+
+
+@needs_interpreter
+def test_split_kv_large_logits(tri):
+    """Logits in the hundreds: the combine must weigh each split by exp(lse - max), not exp(lse)."""
+    b = _split_batch(4, seed=9)
+    out = tri.paged_mla_decode_split(*b.args(), LARGE_LOGITS_SCALE, heads=16, splits=5)
+    _check_decode(out, b, LARGE_LOGITS_SCALE)
+
+
+@needs_interpreter
+def test_split_kv_bf16_128_heads(tri):
+    b = _split_batch(128, torch.bfloat16, seed=4)
+    out = tri.paged_mla_decode_split(*b.args(), 0.125, heads=64, splits=4)
+    assert out.dtype == torch.bfloat16
+    expected, bound = _naive_decode(b, 0.125)
+    assert_within(out, expected, bound + 2**-8 * (expected.abs() + bound))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("window", [False, True], ids=["full", "window"])
+def test_split_kv_fp8_cache_and_window(tri, window):
+    """An fp8 cache with per-token scales, and window starts (the blocks before a start freed, -1): the
+    splits divide only [start, length), against the reference on the same stored cache."""
+    from moelaunch.kernels.kv_fp8 import quantize_latent
+
+    b = _split_batch(128, seed=5)
+    values, scales = quantize_latent(b.cache.nan_to_num(0.0), 64)
+    starts = torch.tensor([0, 3, 100, 250, 1]) if window else None
+    table = b.block_table.clone()
+    if window:
+        table[2, : 100 // 16] = -1
+        table[3, : 250 // 16] = -1
+    args = (b.q_latent, b.q_pe, values, table, b.seq_lens, 0.125, scales, starts)
+    out = tri.paged_mla_decode_split(*args, heads=64, splits=8 if window else 3)
+    torch.testing.assert_close(out, ref.paged_mla_decode_ref(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_split_count_depends_only_on_static_shapes(tri):
+    # At most one wave over 132 SMs: batch 1 x 2 head tiles wants 66 splits, capped at 128 tokens a split.
+    assert tri.num_splits(rows=1, head_tiles=2, max_tokens=4096, sms=132) == 32
+    assert tri.num_splits(rows=1, head_tiles=4, max_tokens=1 << 20, sms=132) == 33
+    assert tri.num_splits(rows=1, head_tiles=1, max_tokens=1 << 20, sms=132) == tri.MAX_SPLITS
+    assert tri.num_splits(rows=8, head_tiles=2, max_tokens=4096, sms=132) == 8  # never a partial 2nd wave
+    # Enough programs to fill the SMs, or a table too short to split: one split, no combine.
+    assert tri.num_splits(rows=64, head_tiles=2, max_tokens=4096, sms=132) == 1
+    assert tri.num_splits(rows=1, head_tiles=2, max_tokens=200, sms=132) == 1
+    assert tri.heads_per_program(128, torch.bfloat16) == 64
+    assert tri.heads_per_program(128, torch.float8_e4m3fn) == 64
+    assert tri.heads_per_program(128, torch.float32) == 32
+    assert tri.heads_per_program(4, torch.bfloat16) == 16
+
+
+@needs_interpreter
+def test_decode_entry_splits_a_short_batch(tri, monkeypatch):
+    """The user path (kernels.paged_mla_decode with Triton on CPU tensors) picks several splits for a
+    two-row batch over a 320-token table, and matches the naive loop."""
+    monkeypatch.setenv("MOELAUNCH_TRITON_ON_CPU", "1")
+    launched: list[int] = []
+    split = tri.paged_mla_decode_split
+    monkeypatch.setattr(
+        tri,
+        "paged_mla_decode_split",
+        lambda *a, heads, splits: launched.append(splits) or split(*a, heads=heads, splits=splits),
+    )
+    b = _paged_batch(torch.Generator().manual_seed(8), 16, 64, 16, 16, [300, 41], [0, 1])
+    _check_decode(kernels.paged_mla_decode(*b.args(), 0.125), b, 0.125)
+    assert (
+        launched == [tri.num_splits(2, 1, b.block_table.shape[1] * 16, INTERPRETER_SMS)] and launched[0] > 1
+    )
 
 
 @needs_interpreter

@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+# The interpreter has no SMs: a small nominal count keeps the kernels' split paths in use at test sizes.
+INTERPRETER_SMS = 8
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs a launch on `device` can fill (splits over the sequence or K are sized from it)."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
