@@ -130,8 +130,7 @@ def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Te
     """[rows] float32 in [0, 1), a function of (seed, position, stream) only (seed, position >= 0)."""
     h = _mix(seed & _LOW32)
     h = _mix(h ^ (seed >> 32))
-    h = _mix(h ^ (position & _LOW32))
-    h = _mix(h ^ stream)
+    h = _mix(h ^ ((2 * position + stream) & _LOW32))  # one stream per parity: DRAW and ACCEPT
     return (h >> 8).float() / float(1 << 24)
 
 
