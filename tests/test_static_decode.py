@@ -10,7 +10,7 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from moelaunch.engine.static_decode import GREEDY, LOGITS, SAMPLED, StaticDecode, decode_buckets
+from moelaunch.engine.static_decode import GREEDY, LOGITS, LOGPROBS, SAMPLED, StaticDecode, decode_buckets
 from moelaunch.engine.step_ops import StepOps, SyncError
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.measure.random_checkpoint import write_random_checkpoint
@@ -74,27 +74,36 @@ def test_the_guard_fails_on_syncs_and_data_dependent_ops(op):
 @pytest.mark.parametrize("which", ["bundled", "v3"])
 def test_static_step_has_no_sync_and_gives_the_eager_tokens(which, v3_model, monkeypatch):
     model = str(BUNDLED) if which == "bundled" else v3_model
-    # Lengths differ so the batch shrinks through several buckets; some requests sample.
-    # The first steps hold a row with a penalty and log-probabilities (the step returns logits).
-    controlled = SamplingParams(
-        temperature=0.7, presence_penalty=0.5, logprobs=2, max_tokens=5, seed=5, ignore_eos=True
-    )
+
+    # Lengths differ so the batch shrinks through several buckets, and the variant changes as rows end:
+    # a penalty (the step returns logits) up to token 4, log-probabilities up to 6, sampling up to 7,
+    # then greedy only.
+    def seeded(max_tokens: int, seed: int, **options) -> SamplingParams:
+        return SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=seed, ignore_eos=True, **options)
+
     params = (
         [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(6)]
         + [SAMPLED_PARAMS] * 3
-        + [controlled]
+        + [seeded(4, 5, presence_penalty=0.5, logprobs=2), seeded(6, 9, logprobs=3), seeded(7, 11, top_p=0.9)]
     )
     options = dict(kv_cache_memory=8_000_000, block_size=4, max_num_seqs=16)
     with LLM(model, **options) as llm:
         assert llm.engine.runner.static is None  # compile auto on the CPU: eager
-        expected = tokens(llm, params)
+        expected = llm.generate(prompts(len(params)), params)
     monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")  # the static step, under StepOps(strict=True)
     with LLM(model, **options) as llm:
         runs = count_static_runs(llm)
-        assert tokens(llm, params) == expected
-    # Decode steps went through it at several batch sizes: controlled, sampling inside it, greedy only.
+        got = llm.generate(prompts(len(params)), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    for o, e in zip(got[-3:-1], expected[-3:-1], strict=True):  # log-probabilities from the step
+        assert o.outputs[0].token_logprobs == pytest.approx(e.outputs[0].token_logprobs, abs=1e-4)
+        for top, want in zip(o.outputs[0].logprobs, e.outputs[0].logprobs, strict=True):
+            assert top.keys() == want.keys() and list(top.values()) == pytest.approx(
+                list(want.values()), abs=1e-4
+            )
     assert len({n for n, _ in runs}) >= 3, runs
-    assert {v for _, v in runs} == {LOGITS, SAMPLED, GREEDY}, runs
+    assert [v for _, v in runs] == sorted((v for _, v in runs), key=[LOGITS, LOGPROBS, SAMPLED, GREEDY].index)
+    assert {v for _, v in runs} == {LOGITS, LOGPROBS, SAMPLED, GREEDY}, runs
 
 
 def mixed_params(lengths: list[int]) -> list[SamplingParams]:

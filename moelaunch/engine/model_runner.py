@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moelaunch.engine.sampler import SampledToken, Sampler
+from moelaunch.engine.sampler import SampledToken, Sampler, unpacked_logprobs
 from moelaunch.engine.scheduler import ScheduledChunk
-from moelaunch.engine.static_decode import GREEDY, LOGITS, SAMPLED, StaticDecode
+from moelaunch.engine.static_decode import GREEDY, LOGITS, LOGPROBS, SAMPLED, StaticDecode
 from moelaunch.model.batch import BatchLayout, SeqSpan
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.transformer import Transformer
@@ -106,15 +106,18 @@ class ModelRunner:
 
     def _static_step(self, chunks: list[ScheduledChunk], results: dict[int, StepResult]) -> None:
         """A decode-only micro-batch through the static step, which samples inside itself; a batch
-        with per-row controls or asking for log-probabilities takes the logits and samples after it
-        (the controls prepared while the step runs)."""
+        with per-row controls takes the logits and samples after it (the controls prepared while the
+        step runs)."""
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
         sampler = self.sampler
-        if any(c.seq.params.logprobs is not None or sampler.controlled(c.seq) for _, c in sampling):
+        if any(sampler.controlled(c.seq) for _, c in sampling):
             prepared = sampler.prepare_async([(c.seq, []) for _, c in sampling], self.mesh.device)
             logits = self.static.run(chunks, LOGITS)
             rows = torch.tensor([i for i, _ in sampling], dtype=torch.long, device=logits.device)
             tokens = sampler.sample(logits[rows], prepared.result())
+        elif any(c.seq.params.logprobs is not None for _, c in sampling):
+            packed = self.static.run(chunks, LOGPROBS).tolist()  # the step's one transfer back
+            tokens = [[unpacked_logprobs(packed[i], c.seq.params.logprobs)] for i, c in sampling]
         else:
             variant = SAMPLED if any(not c.seq.params.greedy for _, c in sampling) else GREEDY
             ids = self.static.run(chunks, variant).tolist()  # the step's one transfer back

@@ -31,6 +31,7 @@ from moelaunch.engine.sequence import Sequence
 from moelaunch.model.sampling import RowControls, RowSampling, controlled_logits, next_tokens
 from moelaunch.text.tokenizer import Tokenizer
 
+MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
 Batch = list[tuple[Sequence, list[int]]]  # (sequence, its draft tokens): len(draft) + 1 logits rows
 
 
@@ -204,6 +205,26 @@ def device_tokens(
     step both sample with this, so a row gets the same token from either."""
     finite = torch.isfinite(raw).all(dim=-1)
     return torch.where(finite, next_tokens(logits, s, sampled, guess), NON_FINITE_TOKEN)
+
+
+def packed_logprobs(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 + 2 k] float, to come back with the tokens in one transfer: the token, its
+    log-probability, then the k likeliest tokens' log-probabilities and their ids (k: the most a
+    request may ask for, within the vocabulary). Ids are exact as floats below 2**24."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1))
+    top = logprobs.topk(min(MAX_TOP_LOGPROBS, raw.shape[-1]), dim=-1)
+    return torch.cat([tokens.unsqueeze(1).float(), chosen, top.values, top.indices.float()], dim=1)
+
+
+def unpacked_logprobs(row: list[float], n_top: int | None) -> SampledToken:
+    """A `packed_logprobs` row as the token with its log-probabilities (none when not asked)."""
+    token = int(row[0])
+    if n_top is None or token == NON_FINITE_TOKEN:
+        return SampledToken(token)
+    k = (len(row) - 2) // 2
+    values, ids = row[2 : 2 + n_top], row[2 + k : 2 + k + n_top]
+    return SampledToken(token, row[1], {int(i): v for i, v in zip(ids, values, strict=True)})
 
 
 def _record(token: int, logprobs: torch.Tensor | None, j: int, seq: Sequence) -> SampledToken:

@@ -15,10 +15,11 @@ tensor-parallel group sums the experts with an all-reduce instead) stay eager.
 The step ends with the sampler (`engine.sampler.device_tokens`, the one the eager path runs): each
 row's temperature, top-k, top-p, min-p and seed are more columns of the same buffer (floats stored as
 their float64 bits), the draw is keyed on (seed, position), so only the token ids come back, in one
-transfer. Three variants per bucket (a Python flag, one graph each): GREEDY (argmax only), SAMPLED
-(the filters and the draw for every row, greedy rows by argmax) and LOGITS, for the steps whose rows
-have per-row controls (penalties, bans, grammar: lists of varying width) or ask for log-probabilities;
-those sample after the step, eagerly, with the same function.
+transfer. Four variants per bucket (a Python flag, one graph each): GREEDY (argmax only), SAMPLED
+(the filters and the draw for every row, greedy rows by argmax), LOGPROBS (SAMPLED with each token's
+log-probability and the top 20, packed with the ids) and LOGITS, for the steps whose rows have per-row
+controls (penalties, bans, grammar: lists of varying width); those sample after the step, eagerly, with
+the same function. CUDA graphs capture GREEDY and SAMPLED.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.cuda_graphs import capture
-from moelaunch.engine.sampler import device_tokens
+from moelaunch.engine.sampler import device_tokens, packed_logprobs
 from moelaunch.engine.scheduler import ScheduledChunk
 from moelaunch.engine.step_ops import StepOps
 from moelaunch.model.batch import BatchLayout
@@ -44,7 +45,8 @@ from moelaunch.model.transformer import Transformer
 # Columns of a bucket's buffer before the block table: token id, position, cache slot, length, then the
 # draw's temperature, top-k, top-p, min-p (floats as float64 bits) and seed.
 FIELDS = 9
-GREEDY, SAMPLED, LOGITS = "greedy", "sampled", "logits"  # what the step returns: see the module's text
+GREEDY, SAMPLED, LOGPROBS, LOGITS = "greedy", "sampled", "logprobs", "logits"  # see the module's text
+CAPTURED = (GREEDY, SAMPLED)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -93,12 +95,12 @@ class StaticDecode:
         self.step_fn: Callable[[torch.Tensor, str], torch.Tensor] = self.forward
         if compile:
             # One graph per bucket and variant: the same function recompiles once per pair.
-            variants = 3 * len(self.buckets)
+            variants = 4 * len(self.buckets)
             dynamo = torch._dynamo.config
             dynamo.recompile_limit = max(dynamo.recompile_limit, variants)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * variants)
             self.step_fn = torch.compile(self.forward, fullgraph=True, dynamic=False)
-        # Set by CUDA graph capture: replay(bucket, variant) for GREEDY and SAMPLED.
+        # Set by CUDA graph capture: replay(bucket, variant) for the CAPTURED variants.
         self.replay: Callable[[int, str], torch.Tensor] | None = None
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
@@ -140,14 +142,14 @@ class StaticDecode:
 
     def run(self, chunks: list[ScheduledChunk], variant: str) -> torch.Tensor:
         """On the device, for the chunks' next tokens: their ids [len(chunks)] (NON_FINITE_TOKEN where
-        the logits are not finite) for GREEDY and SAMPLED, their fp32 logits [len(chunks), vocab] for
-        LOGITS."""
+        the logits are not finite) for GREEDY and SAMPLED, `packed_logprobs` rows for LOGPROBS, their
+        fp32 logits [len(chunks), vocab] for LOGITS."""
         n = len(chunks)
         bucket = self.bucket(n)
         buf = self.buffer(bucket)
         self.fill(bucket, chunks)
         buf.copy_(self.hosts[bucket], non_blocking=True)
-        if self.replay is not None and variant != LOGITS:
+        if self.replay is not None and variant in CAPTURED:
             return self.replay(bucket, variant)[:n]
         if self.strict:
             with StepOps(strict=True):
@@ -155,8 +157,7 @@ class StaticDecode:
         return self.step_fn(buf, variant)[:n]
 
     def forward(self, buf: torch.Tensor, variant: str) -> torch.Tensor:
-        """The step over one bucket's buffer: token ids [bucket], or fp32 logits [bucket, vocab] for
-        LOGITS."""
+        """The step over one bucket's buffer: what `run` returns, for every row of the bucket."""
         bucket = buf.shape[0] // (FIELDS + self.width)
         fields = buf[: FIELDS * bucket].view(FIELDS, bucket)
         ids, positions, slots, seq_lens = fields[:4]
@@ -171,7 +172,8 @@ class StaticDecode:
             temperature=floats[4], seed=fields[8], position=positions + 1, top_k=fields[5], top_p=floats[6],
             min_p=floats[7],
         )  # fmt: skip
-        return device_tokens(logits, logits, settings, sampled=variant == SAMPLED)
+        tokens = device_tokens(logits, logits, settings, sampled=variant != GREEDY)
+        return packed_logprobs(logits, tokens) if variant == LOGPROBS else tokens
 
 
 def build_static_decode(
@@ -199,5 +201,5 @@ def build_static_decode(
     )
     if graphs:
         buffers = {b: static.buffer(b) for b in static.buckets}
-        static.replay = capture(static.step_fn, buffers, (GREEDY, SAMPLED), device)
+        static.replay = capture(static.step_fn, buffers, CAPTURED, device)
     return static
