@@ -73,9 +73,9 @@ def run(engine, prompts, params=GREEDY) -> dict[str, list[int]]:
     return [done[str(i)].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def one_engine(checkpoint: str, prompts, **options) -> list[list[int]]:
+def one_engine(checkpoint: str, prompts, params=GREEDY, **options) -> list[list[int]]:
     with LLM(checkpoint, **engine_config(**options).model_dump(exclude_defaults=True)) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 def row_bytes(checkpoint: str, fp8: bool) -> int:
@@ -100,6 +100,19 @@ def test_disaggregated_tokens_equal_one_engine_and_only_prompt_rows_move(
     router.close()  # the prefill thread applies its last releases and stops: its engine can be read
     assert prefill.held == {} and prefill.blocks.num_free == prefill.blocks.num_blocks
     assert decode.blocks.num_free == decode.blocks.num_blocks
+
+
+def test_a_seeded_sampled_request_draws_one_engines_tokens(checkpoint):
+    """Draws are keyed on (seed, position): the decode side continues the prefill side's first token
+    with the draws one engine makes."""
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, ignore_eos=True, seed=21)
+    router = DisaggregatedEngine([part(checkpoint, "prefill")], [part(checkpoint, "decode")])
+    try:
+        got = run(router, PROMPTS, seeded)
+    finally:
+        router.close()
+    assert got == one_engine(checkpoint, PROMPTS, seeded)
+    assert got != one_engine(checkpoint, PROMPTS)  # it sampled
 
 
 def test_a_prefix_the_decode_side_holds_is_not_sent_again(checkpoint):

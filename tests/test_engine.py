@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.launcher import LLM, SamplingParams
@@ -92,10 +91,7 @@ def test_sampling_with_seed_matches_plain_sampling_and_n_samples_differ(checkpoi
     params = SamplingParams(temperature=0.9, max_tokens=10, seed=11, ignore_eos=True, n=3)
     with LLM(checkpoint, kv_cache_memory=4_000_000) as llm:
         outs = llm.generate([PROMPTS[0]], params)[0].outputs
-    expected = [
-        generate(model, PROMPTS[0], 10, 0.9, generator=torch.Generator().manual_seed(11 + i))
-        for i in range(3)
-    ]
+    expected = [generate(model, PROMPTS[0], 10, 0.9, seed=11 + i) for i in range(3)]
     assert [o.token_ids for o in outs] == expected
     assert len({tuple(o.token_ids) for o in outs}) > 1
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from tiny_models import add_byte_tokenizer, add_mtp_layer, make_hf_model
 
+from moelaunch.engine.static_decode import GREEDY as GREEDY_STEP
+from moelaunch.engine.static_decode import SAMPLED as SAMPLED_STEP
 from moelaunch.engine.static_decode import StaticDecode
 from moelaunch.launcher import LLM, SamplingParams
 
@@ -66,9 +68,9 @@ def test_static_decode_at_tp2_has_no_sync(checkpoint, single, monkeypatch):
         static = llm.engine.runner.static
         assert static is not None
         runs, run = [], static.run
-        static.run = lambda chunks: runs.append(len(chunks)) or run(chunks)
+        static.run = lambda chunks, variant: runs.append(variant) or run(chunks, variant)
         assert outputs(llm) == single[None]
-        assert runs
+        assert set(runs) == {GREEDY_STEP, SAMPLED_STEP}  # seeded rows drew inside the step on both ranks
 
 
 def test_static_decode_rebuilt_after_a_rebalance_at_tp2(checkpoint, single, monkeypatch):
@@ -77,7 +79,7 @@ def test_static_decode_rebuilt_after_a_rebalance_at_tp2(checkpoint, single, monk
     a sync and gives one process's tokens."""
     monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")
     steps, run = [], StaticDecode.run
-    monkeypatch.setattr(StaticDecode, "run", lambda self, chunks: steps.append(id(self)) or run(self, chunks))
+    monkeypatch.setattr(StaticDecode, "run", lambda self, c, v: steps.append(id(self)) or run(self, c, v))
     eplb = {"window": 3, "interval": 4, "redundant_experts": 2}
     with LLM(checkpoint, tp=2, kv_cache_memory=4_000_000, block_size=4, eplb=eplb) as llm:
         assert outputs(llm) == single[None]

@@ -154,8 +154,8 @@ def layouts(checkpoint, converted, tmp_path_factory):
 def test_one_process_engine_equals_plain_generate(checkpoint, single_process):
     model = load_model(checkpoint)
     for r in REQUESTS:
-        gen = torch.Generator().manual_seed(r.get("seed", 0))
-        expected = generate(model, r["prompt"], r["max_new_tokens"], r.get("temperature", 0.0), generator=gen)
+        seed = r.get("seed", 0)
+        expected = generate(model, r["prompt"], r["max_new_tokens"], r.get("temperature", 0.0), seed=seed)
         assert single_process[""][r["id"]][0] == expected
 
 

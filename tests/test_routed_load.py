@@ -76,7 +76,7 @@ def test_static_decode_records_without_sync_or_padding(checkpoint, monkeypatch):
     monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")
     padded, run = [], StaticDecode.run
     monkeypatch.setattr(
-        StaticDecode, "run", lambda self, c: padded.append(self.bucket(len(c)) - len(c)) or run(self, c)
+        StaticDecode, "run", lambda self, c, v: padded.append(self.bucket(len(c)) - len(c)) or run(self, c, v)
     )
     _, static, static_tokens = run_counted(checkpoint, offline_too=False)
     assert any(padded)  # the static step ran, with padding rows

@@ -25,7 +25,7 @@ EOS = 1
 
 
 def make_seq(params: SamplingParams, prompt: list[int], output: list[int], seed: int = 0) -> Sequence:
-    seq = Sequence(seed, "r", 0, prompt, params, torch.Generator().manual_seed(seed))
+    seq = Sequence(seed, "r", 0, prompt, params, seed)
     seq.output = list(output)
     return seq
 

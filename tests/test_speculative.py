@@ -56,7 +56,7 @@ def test_draft_verification_keeps_the_sampling_distribution():
     params = SamplingParams(temperature=1.0, max_tokens=4)
     draws, trials = Counter(), 6000
     for i in range(trials):
-        seq = Sequence(i, "r", 0, [1], params, torch.Generator().manual_seed(i))
+        seq = Sequence(i, "r", 0, [1], params, i)
         draws[sample_batch(logits, [(seq, [3])], eos_id=None)[0][0].token] += 1
     target = logits[0].softmax(-1)
     for token in range(5):

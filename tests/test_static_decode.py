@@ -10,14 +10,13 @@ import pytest
 import torch
 from tiny_models import add_byte_tokenizer, make_hf_model
 
-from moelaunch.engine.static_decode import StaticDecode, decode_buckets
+from moelaunch.engine.static_decode import GREEDY, LOGITS, LOGPROBS, SAMPLED, StaticDecode, decode_buckets
 from moelaunch.engine.step_ops import StepOps, SyncError
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.measure.random_checkpoint import write_random_checkpoint
 
 BUNDLED = Path(__file__).resolve().parents[1] / "checkpoints" / "small"
-GREEDY = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-SAMPLED = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True, seed=3)
+SAMPLED_PARAMS = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True, seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +34,13 @@ def tokens(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def count_static_runs(llm: LLM) -> list[int]:
-    """Wraps the static step's run to record each call's batch size."""
+def count_static_runs(llm: LLM) -> list[tuple[int, str]]:
+    """Wraps the static step's run to record each call's batch size and variant."""
     static = llm.engine.runner.static
     assert static is not None, "the engine did not build the static decode step"
-    sizes, run = [], static.run
-    static.run = lambda chunks: sizes.append(len(chunks)) or run(chunks)
-    return sizes
+    runs, run = [], static.run
+    static.run = lambda chunks, variant: runs.append((len(chunks), variant)) or run(chunks, variant)
+    return runs
 
 
 def test_buckets_pad_to_powers_of_two_then_steps_of_eight():
@@ -75,43 +74,78 @@ def test_the_guard_fails_on_syncs_and_data_dependent_ops(op):
 @pytest.mark.parametrize("which", ["bundled", "v3"])
 def test_static_step_has_no_sync_and_gives_the_eager_tokens(which, v3_model, monkeypatch):
     model = str(BUNDLED) if which == "bundled" else v3_model
-    # Lengths differ so the batch shrinks through several buckets; some requests sample.
-    params = [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(6)] + [
-        SAMPLED
-    ] * 3
+
+    # Lengths differ so the batch shrinks through several buckets, and the variant changes as rows end:
+    # a penalty (the step returns logits) up to token 4, log-probabilities up to 6, sampling up to 7,
+    # then greedy only.
+    def seeded(max_tokens: int, seed: int, **options) -> SamplingParams:
+        return SamplingParams(temperature=0.8, max_tokens=max_tokens, seed=seed, ignore_eos=True, **options)
+
+    params = (
+        [SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True) for i in range(6)]
+        + [SAMPLED_PARAMS] * 3
+        + [seeded(4, 5, presence_penalty=0.5, logprobs=2), seeded(6, 9, logprobs=3), seeded(7, 11, top_p=0.9)]
+    )
     options = dict(kv_cache_memory=8_000_000, block_size=4, max_num_seqs=16)
     with LLM(model, **options) as llm:
         assert llm.engine.runner.static is None  # compile auto on the CPU: eager
-        expected = tokens(llm, params)
+        expected = llm.generate(prompts(len(params)), params)
     monkeypatch.setenv("MOELAUNCH_STRICT_DECODE", "1")  # the static step, under StepOps(strict=True)
     with LLM(model, **options) as llm:
-        sizes = count_static_runs(llm)
-        assert tokens(llm, params) == expected
-    assert len(set(sizes)) >= 3, sizes  # decode steps went through it, at several batch sizes
+        runs = count_static_runs(llm)
+        got = llm.generate(prompts(len(params)), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    for o, e in zip(got[-3:-1], expected[-3:-1], strict=True):  # log-probabilities from the step
+        assert o.outputs[0].token_logprobs == pytest.approx(e.outputs[0].token_logprobs, abs=1e-4)
+        for top, want in zip(o.outputs[0].logprobs, e.outputs[0].logprobs, strict=True):
+            assert top.keys() == want.keys() and list(top.values()) == pytest.approx(
+                list(want.values()), abs=1e-4
+            )
+    assert len({n for n, _ in runs}) >= 3, runs
+    assert [v for _, v in runs] == sorted((v for _, v in runs), key=[LOGITS, LOGPROBS, SAMPLED, GREEDY].index)
+    assert {v for _, v in runs} == {LOGITS, LOGPROBS, SAMPLED, GREEDY}, runs
+
+
+def mixed_params(lengths: list[int]) -> list[SamplingParams]:
+    """Greedy, and seeded temperature, top-k, top-p and min-p rows in turn."""
+    kinds = [
+        dict(temperature=0),
+        dict(temperature=0.8),
+        dict(temperature=1.0, top_k=5),
+        dict(temperature=1.1, top_p=0.8),
+        dict(temperature=1.2, min_p=0.1),
+    ]
+    return [
+        SamplingParams(**kinds[i % len(kinds)], max_tokens=n, ignore_eos=True, seed=100 + i)
+        for i, n in enumerate(lengths)
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
 def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantization):
-    """fullgraph=True raises on any graph break; one graph per bucket, none added by later steps. Integer
-    weights too: their C++ kernels trace as custom ops, their experts with device offsets."""
+    """fullgraph=True raises on any graph break; one graph per bucket, none added by later steps. The
+    compiled step samples inside itself and gives the eager engine's tokens; the same seeds twice give
+    the same tokens. Integer weights too: their C++ kernels trace as custom ops, their experts with device
+    offsets."""
     from torch._dynamo.utils import counters
 
-    # 64 requests: 61 stop after 3 tokens, 2 after 5, 1 after 7: decode batches 64, 64, 3, 3, 1, 1.
-    lengths = [3] * 61 + [5, 5, 7]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    # 64 requests: 61 stop after 3 tokens, 2 after 5, 1 after 7: decode batches 64, 64, 3, 3, 1, 1. The
+    # last three sample (top-k, top-p, min-p), so every step is the SAMPLED variant.
+    params = mixed_params([3] * 61 + [5, 5, 7])
     options = dict(kv_cache_memory=16_000_000, block_size=8, max_num_seqs=64, quantization=quantization)
     with LLM(v3_model, **options) as llm:
         expected = tokens(llm, params)
     torch._dynamo.reset()
     with LLM(v3_model, compile="on", **options) as llm:
-        sizes = count_static_runs(llm)
+        runs = count_static_runs(llm)
         graphs_before = counters["stats"]["unique_graphs"]
         assert tokens(llm, params) == expected
         static = llm.engine.runner.static
-        assert sorted({static.bucket(n) for n in sizes}) == [1, 4, 64]
+        assert sorted({static.bucket(n) for n, _ in runs}) == [1, 4, 64]
+        assert {v for _, v in runs} == {SAMPLED}
         assert counters["stats"]["unique_graphs"] - graphs_before == 3
-        tokens(llm, params)  # the same buckets again: nothing recompiles
+        assert tokens(llm, params) == expected  # the same buckets and seeds again: nothing recompiles
         assert counters["stats"]["unique_graphs"] - graphs_before == 3
 
 
@@ -137,7 +171,7 @@ def test_ops_per_decode_step_on_the_v3_shape(tmp_path):
         engine = llm.engine
         static = StaticDecode(engine.model, engine.cache, 8, 64, torch.device("cpu"), compile=False)
         with torch.inference_mode(), StepOps() as seen:
-            static.forward(static.buffer(1))
+            static.forward(static.buffer(1), GREEDY)
     assert not seen.syncs
     per_layer = seen.total / V3_SHAPE["num_hidden_layers"]
     assert per_layer <= OPS_PER_LAYER_BUDGET, (per_layer, seen.ops.most_common())

@@ -1,5 +1,6 @@
-"""CUDA graphs of the static decode step: each bucket's step captured once over its device buffer, all
-in one memory pool, replayed per decode step (batches above the largest bucket stay eager).
+"""CUDA graphs of the static decode step: each bucket's step (per variant: greedy, sampled) captured
+once over its device buffer, all in one memory pool, replayed per decode step (batches above the
+largest bucket stay eager).
 
 Only runs on CUDA devices; no GPU was available where this was written, so it is untested.
 """
@@ -16,29 +17,34 @@ WARMUP_RUNS = 2  # eager runs before capture: lazy set-up (kernel choice, alloca
 
 
 def capture(
-    step: Callable[[torch.Tensor], torch.Tensor], buffers: dict[int, torch.Tensor], device: torch.device
-) -> Callable[[int], torch.Tensor]:
-    """Capture `step` over each bucket's buffer (largest first, so smaller ones reuse its pool memory);
-    returns replay(bucket) -> that bucket's output tensor, refreshed. Logs capture time and memory."""
+    step: Callable[[torch.Tensor, str], torch.Tensor],
+    buffers: dict[int, torch.Tensor],
+    variants: tuple[str, ...],
+    device: torch.device,
+) -> Callable[[int, str], torch.Tensor]:
+    """Capture `step(buffer, variant)` over each bucket's buffer (largest first, so smaller ones reuse
+    its pool memory); returns replay(bucket, variant) -> that graph's output tensor, refreshed. Logs
+    capture time and memory."""
     if device.type != "cuda":
         raise RuntimeError(f"CUDA graphs need a CUDA device, not {device}")
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+    graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
     pool = None
     free_before = torch.cuda.mem_get_info(device)[0]
     started = time.monotonic()
     side = torch.cuda.Stream(device)
     for bucket in sorted(buffers, reverse=True):
         buf = buffers[bucket]  # valid inputs for warm-up and capture (every row padding)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(WARMUP_RUNS):
-                step(buf)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-            out = step(buf)
-        pool = graph.pool()
-        graphs[bucket] = (graph, out)
+        for variant in variants:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(WARMUP_RUNS):
+                    step(buf, variant)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                out = step(buf, variant)
+            pool = graph.pool()
+            graphs[bucket, variant] = (graph, out)
     torch.cuda.synchronize(device)
     used = free_before - torch.cuda.mem_get_info(device)[0]
     print(
@@ -47,8 +53,8 @@ def capture(
         file=sys.stderr,
     )
 
-    def replay(bucket: int) -> torch.Tensor:
-        graph, out = graphs[bucket]
+    def replay(bucket: int, variant: str) -> torch.Tensor:
+        graph, out = graphs[bucket, variant]
         graph.replay()
         return out
 

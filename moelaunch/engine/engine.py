@@ -32,7 +32,7 @@ from moelaunch.engine.outputs import (
     non_finite_logits_error,
 )
 from moelaunch.engine.routed_load import LoadRecorder, LoadReport, moe_layer_ids, moe_layers
-from moelaunch.engine.sampling_params import SamplingParams
+from moelaunch.engine.sampling_params import MAX_SEED, SamplingParams
 from moelaunch.engine.scheduler import ScheduledChunk, Scheduler
 from moelaunch.engine.sequence import Sequence
 from moelaunch.engine.static_decode import build_static_decode
@@ -385,7 +385,7 @@ class LLMEngine:
                     new.params.seed + new.index
                     if new.params.seed is not None
                     else self.config.seed + new.seq_id
-                )
+                ) % (MAX_SEED + 1)
                 handoff = KVHandoff.from_dict(new.handoff) if new.handoff else None
                 seq = Sequence(
                     new.seq_id,
@@ -393,7 +393,7 @@ class LLMEngine:
                     new.index,
                     new.prompt,
                     new.params,
-                    torch.Generator().manual_seed(seed),
+                    seed,
                     output=[handoff.first_token] if handoff else [],
                     handoff=handoff,
                 )

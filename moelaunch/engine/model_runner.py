@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moelaunch.engine.sampler import SampledToken, Sampler
+from moelaunch.engine.sampler import SampledToken, Sampler, unpacked_logprobs
 from moelaunch.engine.scheduler import ScheduledChunk
-from moelaunch.engine.static_decode import StaticDecode
+from moelaunch.engine.static_decode import GREEDY, LOGITS, LOGPROBS, SAMPLED, StaticDecode
 from moelaunch.model.batch import BatchLayout, SeqSpan
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.transformer import Transformer
@@ -105,13 +105,23 @@ class ModelRunner:
             self._draft(chunks, spans, hidden, results)
 
     def _static_step(self, chunks: list[ScheduledChunk], results: dict[int, StepResult]) -> None:
-        """A decode-only micro-batch through the static step, then the sampler on its logits (the
-        sampling controls prepared while the step runs)."""
+        """A decode-only micro-batch through the static step, which samples inside itself; a batch
+        with per-row controls takes the logits and samples after it (the controls prepared while the
+        step runs)."""
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
-        prepared = self.sampler.prepare_async([(c.seq, []) for _, c in sampling], self.mesh.device)
-        logits = self.static.run(chunks)
-        rows = torch.tensor([i for i, _ in sampling], dtype=torch.long, device=logits.device)
-        tokens = self.sampler.sample(logits[rows], prepared.result())
+        sampler = self.sampler
+        if any(sampler.controlled(c.seq) for _, c in sampling):
+            prepared = sampler.prepare_async([(c.seq, []) for _, c in sampling], self.mesh.device)
+            logits = self.static.run(chunks, LOGITS)
+            rows = torch.tensor([i for i, _ in sampling], dtype=torch.long, device=logits.device)
+            tokens = sampler.sample(logits[rows], prepared.result())
+        elif any(c.seq.params.logprobs is not None for _, c in sampling):
+            packed = self.static.run(chunks, LOGPROBS).tolist()  # the step's one transfer back
+            tokens = [[unpacked_logprobs(packed[i], c.seq.params.logprobs)] for i, c in sampling]
+        else:
+            variant = SAMPLED if any(not c.seq.params.greedy for _, c in sampling) else GREEDY
+            ids = self.static.run(chunks, variant).tolist()  # the step's one transfer back
+            tokens = [[SampledToken(ids[i])] for i, _ in sampling]
         for (_, c), sampled in zip(sampling, tokens, strict=True):
             results[c.seq.seq_id] = StepResult(sampled)
 

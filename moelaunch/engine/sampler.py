@@ -1,5 +1,9 @@
-"""Next tokens for a batch of sequences, each with its own settings and seeded generator, so a
-sequence draws the same tokens whatever batch, replica or layout it runs in.
+"""Next tokens for a batch of sequences, each with its own settings and seed, so a sequence draws the
+same tokens whatever batch, replica, layout or step path it runs in.
+
+Every row's token is drawn on the device by `device_tokens` (moelaunch.model.sampling.next_tokens: a
+counter-based draw keyed on the sequence's seed and the token's position), the same function the
+static decode step runs inside itself; only the ids come back.
 
 A step's per-row controls (penalties, logit bias, min_tokens and bad-word bans, allowed tokens, the
 grammar's bitmask) are prepared on the host from what is known before the model runs, in a thread
@@ -8,8 +12,9 @@ while it runs; they are then applied to all rows at once on the logits' device (
 With a speculative draft, the target rows are checked in order: greedy keeps a draft token while it
 is the argmax; sampling keeps it with probability p(draft) and otherwise draws from p without it
 (the draft is a point guess, so this is exact rejection sampling: outputs keep the target
-distribution). After the last kept draft token one more token is drawn from its row. A sequence with a
-grammar ignores its draft (the grammar's mask is made for the first row only).
+distribution; every row's verdict is computed on the device at once, the host keeps rows in order
+up to the first rejection). After the last kept draft token one more token is drawn from its row. A
+sequence with a grammar ignores its draft (the grammar's mask is made for the first row only).
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import torch
 
 from moelaunch.engine.constraints import Constraints
 from moelaunch.engine.outputs import NON_FINITE_TOKEN
+from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.sequence import Sequence
-from moelaunch.model.sampling import RowControls, controlled_logits, draw, filtered_logits
+from moelaunch.model.sampling import RowControls, RowSampling, controlled_logits, next_tokens
 from moelaunch.text.tokenizer import Tokenizer
 
+MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
 Batch = list[tuple[Sequence, list[int]]]  # (sequence, its draft tokens): len(draft) + 1 logits rows
 
 
@@ -66,7 +73,7 @@ class Sampler:
         return self._worker.submit(self.prepare, batch, device)
 
     def prepare(self, batch: Batch, device: torch.device) -> Prepared:
-        if not any(self._controlled(seq) for seq, _ in batch):  # checked without copying any history
+        if not any(self.controlled(seq) for seq, _ in batch):  # checked without copying any history
             return Prepared(batch, None)
         rows = [(seq, j, seq.output + draft[:j]) for seq, draft in batch for j in range(len(draft) + 1)]
         vocab, p = self.vocab_size, [seq.params for seq, _, _ in rows]
@@ -111,7 +118,7 @@ class Sampler:
         )
         return Prepared(batch, controls)
 
-    def _controlled(self, seq: Sequence) -> bool:
+    def controlled(self, seq: Sequence) -> bool:
         """Whether any of the sequence's rows has a control (a min_tokens ban is widest on its first)."""
         q = seq.params
         return (
@@ -146,63 +153,78 @@ class Sampler:
         raw = logits
         if prepared.controls is not None:
             logits = controlled_logits(logits, prepared.controls)
-        starts, at = [], 0
-        for _, draft in batch:
-            starts.append(at)
+        rows = [(seq, j, draft) for seq, draft in batch for j in range(len(draft) + 1)]
+        # A grammar's sequence ignores its draft (its mask is made for the first row only).
+        guesses = [
+            draft[j] if j < len(draft) and seq.params.structured_outputs is None else -1
+            for seq, j, draft in rows
+        ]
+        drawn_at = [(seq.params, seq.seed, seq.num_tokens + j) for seq, j, _ in rows]
+        settings = row_sampling(drawn_at, raw.device)
+        guess = torch.tensor(guesses, device=raw.device) if any(g >= 0 for g in guesses) else None
+        sampled = any(not seq.params.greedy for seq, _ in batch)
+        tokens = device_tokens(raw, logits, settings, sampled, guess).tolist()  # the step's one sync
+        out, at = [], 0
+        for seq, draft in batch:
+            logprobs = None
+            if seq.params.logprobs is not None:
+                logprobs = torch.log_softmax(raw[at : at + len(draft) + 1], dim=-1)
+            kept: list[SampledToken] = []
+            for j in range(len(draft) + 1):
+                token, guess_j = tokens[at + j], guesses[at + j]
+                if token == NON_FINITE_TOKEN:  # never a draft's guess: the row ends here
+                    kept.append(SampledToken(NON_FINITE_TOKEN))
+                    break
+                kept.append(_record(token, logprobs, j, seq))
+                if token != guess_j:
+                    break
+            out.append(kept)
             at += len(draft) + 1
-        row_params = [seq.params for seq, draft in batch for _ in range(len(draft) + 1)]
-        sampled_rows = [i for i, q in enumerate(row_params) if not q.greedy]
-        probs = None
-        if sampled_rows:
-            q = [row_params[i] for i in sampled_rows]
-            device = logits.device
-            # A filter no row uses is left out (the sort over the vocabulary is the costly part).
-            filters = {
-                "top_k": [x.top_k for x in q] if any(x.top_k > 0 for x in q) else 0,
-                "top_p": [x.top_p for x in q] if any(x.top_p < 1 for x in q) else 1.0,
-                "min_p": [x.min_p for x in q] if any(x.min_p > 0 for x in q) else 0.0,
-            }
-            given = {
-                k: torch.tensor(v, device=device) if isinstance(v, list) else v for k, v in filters.items()
-            }
-            temperature = torch.tensor([x.temperature for x in q], device=device)
-            probs = filtered_logits(logits[sampled_rows], temperature, **given).softmax(-1)
-            probs = probs.cpu()  # the sequences' generators are CPU generators
-        where = {row: k for k, row in enumerate(sampled_rows)}
-        # A row whose raw logits hold a NaN or inf (broken weights) reads NON_FINITE_TOKEN: found on
-        # the device, within the step's one sync for greedy rows.
-        finite = torch.isfinite(raw).all(dim=-1)
-        best = torch.where(finite, logits.argmax(dim=-1), NON_FINITE_TOKEN).tolist()
-        out = []
-        for (seq, draft), start in zip(batch, starts, strict=True):
-            rows = raw[start : start + len(draft) + 1]
-            logprobs = torch.log_softmax(rows, dim=-1) if seq.params.logprobs is not None else None
-            verify = draft if seq.params.structured_outputs is None else []
-            tokens: list[SampledToken] = []
-            for j in range(len(verify) + 1):
-                guess = verify[j] if j < len(verify) else None
-                if best[start + j] == NON_FINITE_TOKEN:  # never a draft's guess: the row ends here
-                    tokens.append(SampledToken(NON_FINITE_TOKEN))
-                    break
-                if seq.params.greedy:
-                    token = best[start + j]
-                else:
-                    token = _draw(probs[where[start + j]], guess, seq.generator)
-                tokens.append(_record(token, logprobs, j, seq))
-                if token != guess:
-                    break
-            out.append(tokens)
         return out
 
 
-def _draw(probs: torch.Tensor, guess: int | None, generator: torch.Generator) -> int:
-    """Keep the draft guess with probability p(guess), else draw from p without it."""
-    if guess is not None and torch.rand(1, generator=generator).item() < probs[guess].item():
-        return guess
-    if guess is not None:
-        probs = probs.clone()
-        probs[guess] = 0.0
-    return draw(probs, generator)
+def row_sampling(rows: list[tuple[SamplingParams, int, int]], device: torch.device) -> RowSampling:
+    """Draw settings of rows given as (params, seed, position of the drawn token). A filter no row
+    uses stays one number (the sort over the vocabulary is the costly part)."""
+    p = [q for q, _, _ in rows]
+    return RowSampling(
+        temperature=torch.tensor([q.temperature for q in p], dtype=torch.float32, device=device),
+        seed=torch.tensor([seed for _, seed, _ in rows], dtype=torch.long, device=device),
+        position=torch.tensor([pos for _, _, pos in rows], dtype=torch.long, device=device),
+        top_k=torch.tensor([q.top_k for q in p], device=device) if any(q.top_k > 0 for q in p) else 0,
+        top_p=torch.tensor([q.top_p for q in p], device=device) if any(q.top_p < 1 for q in p) else 1.0,
+        min_p=torch.tensor([q.min_p for q in p], device=device) if any(q.min_p > 0 for q in p) else 0.0,
+    )
+
+
+def device_tokens(
+    raw: torch.Tensor, logits: torch.Tensor, s: RowSampling, sampled: bool, guess: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[rows] next tokens on the logits' device (`next_tokens` over the controlled logits), with
+    NON_FINITE_TOKEN where the raw logits hold a NaN or inf (broken weights). The eager and the static
+    step both sample with this, so a row gets the same token from either."""
+    finite = torch.isfinite(raw).all(dim=-1)
+    return torch.where(finite, next_tokens(logits, s, sampled, guess), NON_FINITE_TOKEN)
+
+
+def packed_logprobs(raw: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 + 2 k] float, to come back with the tokens in one transfer: the token, its
+    log-probability, then the k likeliest tokens' log-probabilities and their ids (k: the most a
+    request may ask for, within the vocabulary). Ids are exact as floats below 2**24."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1))
+    top = logprobs.topk(min(MAX_TOP_LOGPROBS, raw.shape[-1]), dim=-1)
+    return torch.cat([tokens.unsqueeze(1).float(), chosen, top.values, top.indices.float()], dim=1)
+
+
+def unpacked_logprobs(row: list[float], n_top: int | None) -> SampledToken:
+    """A `packed_logprobs` row as the token with its log-probabilities (none when not asked)."""
+    token = int(row[0])
+    if n_top is None or token == NON_FINITE_TOKEN:
+        return SampledToken(token)
+    k = (len(row) - 2) // 2
+    values, ids = row[2 : 2 + n_top], row[2 + k : 2 + k + n_top]
+    return SampledToken(token, row[1], {int(i): v for i, v in zip(ids, values, strict=True)})
 
 
 def _record(token: int, logprobs: torch.Tensor | None, j: int, seq: Sequence) -> SampledToken:

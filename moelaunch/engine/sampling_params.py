@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
-# Seeds seed a torch.Generator, which takes a signed 64-bit value.
+# Seeds key the draws as int64 tensors (moelaunch.model.sampling.uniform): non-negative signed 64-bit.
 MAX_SEED = 2**63 - 1
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from moelaunch.engine.constraints import SequenceConstraints
 from moelaunch.engine.kv_handoff import KVHandoff
 from moelaunch.engine.sampling_params import SamplingParams
@@ -25,7 +23,7 @@ class Sequence:
     index: int  # which of the request's n samples
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # keys its draws with each token's position (moelaunch.model.sampling.uniform)
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     block_ids: list[int] = field(default_factory=list)

@@ -12,9 +12,14 @@ bucket, prefill and mixed steps, MTP drafts, pipeline stages, top-k block attent
 parallelism across data-parallel replicas (its all-to-all has uneven, host-read counts; EP inside one
 tensor-parallel group sums the experts with an all-reduce instead) stay eager.
 
-Sampling runs after the step on the returned logits (engine/sampler.py). A device sampler with
-per-row parameters as tensors can be appended at the end of `forward` (its parameters one more
-buffer per bucket), so that only token ids come back.
+The step ends with the sampler (`engine.sampler.device_tokens`, the one the eager path runs): each
+row's temperature, top-k, top-p, min-p and seed are more columns of the same buffer (floats stored as
+their float64 bits), the draw is keyed on (seed, position), so only the token ids come back, in one
+transfer. Four variants per bucket (a Python flag, one graph each): GREEDY (argmax only), SAMPLED
+(the filters and the draw for every row, greedy rows by argmax), LOGPROBS (SAMPLED with each token's
+log-probability and the top 20, packed with the ids) and LOGITS, for the steps whose rows have per-row
+controls (penalties, bans, grammar: lists of varying width); those sample after the step, eagerly, with
+the same function. CUDA graphs capture GREEDY and SAMPLED.
 """
 
 from __future__ import annotations
@@ -23,19 +28,25 @@ import os
 import sys
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from moelaunch.engine.config import EngineConfig
 from moelaunch.engine.cuda_graphs import capture
+from moelaunch.engine.sampler import device_tokens, packed_logprobs
 from moelaunch.engine.scheduler import ScheduledChunk
 from moelaunch.engine.step_ops import StepOps
 from moelaunch.model.batch import BatchLayout
 from moelaunch.model.kv_cache import PagedLatentCache
 from moelaunch.model.moe import MoE
+from moelaunch.model.sampling import RowSampling
 from moelaunch.model.transformer import Transformer
 
-# Columns of a bucket's buffer before the block table: token id, position, cache slot, length.
-FIELDS = 4
+# Columns of a bucket's buffer before the block table: token id, position, cache slot, length, then the
+# draw's temperature, top-k, top-p, min-p (floats as float64 bits) and seed.
+FIELDS = 9
+GREEDY, SAMPLED, LOGPROBS, LOGITS = "greedy", "sampled", "logprobs", "logits"  # see the module's text
+CAPTURED = (GREEDY, SAMPLED)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -81,16 +92,16 @@ class StaticDecode:
         self.buffers: dict[int, torch.Tensor] = {}
         self.hosts: dict[int, torch.Tensor] = {}
         self.strict = os.environ.get("MOELAUNCH_STRICT_DECODE") == "1"
-        self.step_fn: Callable[[torch.Tensor], torch.Tensor] = self.forward
+        self.step_fn: Callable[[torch.Tensor, str], torch.Tensor] = self.forward
         if compile:
-            # One graph per bucket: the same function recompiles once per batch shape.
+            # One graph per bucket and variant: the same function recompiles once per pair.
+            variants = 4 * len(self.buckets)
             dynamo = torch._dynamo.config
-            dynamo.recompile_limit = max(dynamo.recompile_limit, len(self.buckets))
-            dynamo.accumulated_recompile_limit = max(
-                dynamo.accumulated_recompile_limit, 4 * len(self.buckets)
-            )
+            dynamo.recompile_limit = max(dynamo.recompile_limit, variants)
+            dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * variants)
             self.step_fn = torch.compile(self.forward, fullgraph=True, dynamic=False)
-        self.replay: Callable[[int], torch.Tensor] | None = None  # set by CUDA graph capture
+        # Set by CUDA graph capture: replay(bucket, variant) for the CAPTURED variants.
+        self.replay: Callable[[int, str], torch.Tensor] | None = None
 
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """Decode-only (one token per sequence, no draft), and within the largest bucket."""
@@ -113,40 +124,56 @@ class StaticDecode:
         """Write the chunks' rows, then padding rows, into the bucket's host tensor."""
         host = self.hosts[bucket].numpy()
         fields = host[: FIELDS * bucket].reshape(FIELDS, bucket)
+        floats = fields.view(np.float64)  # the same memory: the float columns' bits
         tables = host[FIELDS * bucket :].reshape(bucket, self.width)
         bs, scratch = self.cache.block_size, self.cache.scratch_block
         tables[:] = scratch
-        fields[0], fields[1], fields[2], fields[3] = 0, 0, scratch * bs, 1
+        fields[:4] = np.array([0, 0, scratch * bs, 1])[:, None]
+        floats[4], fields[5], floats[6], floats[7], fields[8] = 0.0, -1, 1.0, 0.0, 0  # greedy
         for i, c in enumerate(chunks):
-            pos, blocks = c.start, c.seq.block_ids
+            pos, blocks, q = c.start, c.seq.block_ids, c.seq.params
             fields[0, i] = c.seq.tokens[pos]
             fields[1, i] = pos
             fields[2, i] = blocks[pos // bs] * bs + pos % bs
             fields[3, i] = pos + 1
+            floats[4, i], fields[5, i], floats[6, i], floats[7, i] = q.temperature, q.top_k, q.top_p, q.min_p
+            fields[8, i] = c.seq.seed
             tables[i, : len(blocks)] = blocks
 
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), vocab] of the chunks' next tokens, on the device."""
+    def run(self, chunks: list[ScheduledChunk], variant: str) -> torch.Tensor:
+        """On the device, for the chunks' next tokens: their ids [len(chunks)] (NON_FINITE_TOKEN where
+        the logits are not finite) for GREEDY and SAMPLED, `packed_logprobs` rows for LOGPROBS, their
+        fp32 logits [len(chunks), vocab] for LOGITS."""
         n = len(chunks)
         bucket = self.bucket(n)
         buf = self.buffer(bucket)
         self.fill(bucket, chunks)
         buf.copy_(self.hosts[bucket], non_blocking=True)
-        if self.replay is not None:
-            return self.replay(bucket)[:n]
+        if self.replay is not None and variant in CAPTURED:
+            return self.replay(bucket, variant)[:n]
         if self.strict:
             with StepOps(strict=True):
-                return self.step_fn(buf)[:n]
-        return self.step_fn(buf)[:n]
+                return self.step_fn(buf, variant)[:n]
+        return self.step_fn(buf, variant)[:n]
 
-    def forward(self, buf: torch.Tensor) -> torch.Tensor:
-        """The step over one bucket's buffer: fp32 logits [bucket, vocab]."""
+    def forward(self, buf: torch.Tensor, variant: str) -> torch.Tensor:
+        """The step over one bucket's buffer: what `run` returns, for every row of the bucket."""
         bucket = buf.shape[0] // (FIELDS + self.width)
-        ids, positions, slots, seq_lens = buf[: FIELDS * bucket].view(FIELDS, bucket)
+        fields = buf[: FIELDS * bucket].view(FIELDS, bucket)
+        ids, positions, slots, seq_lens = fields[:4]
         tables = buf[FIELDS * bucket :].view(bucket, self.width)
         layout = BatchLayout.static_decode(positions, self.cache, tables, slots, seq_lens, self.mark_padding)
         model = self.model
-        return model.head(model.final_norm(model.run_layers(model.embed(ids), layout)))
+        logits = model.head(model.final_norm(model.run_layers(model.embed(ids), layout)))
+        if variant == LOGITS:
+            return logits
+        floats = fields.view(torch.float64).float()
+        settings = RowSampling(
+            temperature=floats[4], seed=fields[8], position=positions + 1, top_k=fields[5], top_p=floats[6],
+            min_p=floats[7],
+        )  # fmt: skip
+        tokens = device_tokens(logits, logits, settings, sampled=variant != GREEDY)
+        return packed_logprobs(logits, tokens) if variant == LOGPROBS else tokens
 
 
 def build_static_decode(
@@ -174,5 +201,5 @@ def build_static_decode(
     )
     if graphs:
         buffers = {b: static.buffer(b) for b in static.buckets}
-        static.replay = capture(static.step_fn, buffers, device)
+        static.replay = capture(static.step_fn, buffers, CAPTURED, device)
     return static

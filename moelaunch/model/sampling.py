@@ -1,11 +1,12 @@
 """Next-token distributions from logits: per-row controls (penalties, logit bias, banned and allowed
 tokens, a grammar's bitmask), temperature, min-p, top-k and top-p, and the draw.
 
-Everything before the draw works on a batch of rows [rows, vocab] with per-row settings as device
-tensors, built on the host when the batch is formed: no host sync and no shape that depends on the
-values, so the step can be captured whole. The engine's sampler (engine/sampler.py, which adds drafts
-and log-probabilities) and single-sequence generation both use these, so a seeded draw is the same
-token on either path.
+Everything works on a batch of rows [rows, vocab] with per-row settings as device tensors, built on
+the host when the batch is formed: no host sync and no shape that depends on the values, so the step
+can be captured whole, draw included. The draw is counter-based: a row's uniform number is a hash of
+(seed, position of the drawn token) made with integer tensor ops, so no generator state lives on the
+host or in a graph, and a seeded row draws the same token in any batch, on any path (the engine's
+eager and static steps, single-sequence generation) and on every rank.
 """
 
 from __future__ import annotations
@@ -107,13 +108,85 @@ def filtered_logits(
     return x[0] if single else x
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token id from probabilities [vocab]."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+# Which number a draw takes from its (seed, position): the token itself, or a draft's acceptance test.
+DRAW, ACCEPT = 0, 1
+_LOW32 = 0xFFFFFFFF
 
 
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> int:
-    """A token id from logits [vocab]: argmax at temperature 0, else a draw from softmax(logits / T)."""
-    if temperature <= 0:
-        return int(logits.argmax())
-    return draw(filtered_logits(logits.float(), temperature).softmax(-1), generator)
+def _times(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x < 2**32 held in int64, in 16-bit halves of c: no product overflows int64,
+    so eager, compiled and GPU code agree bit for bit."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _LOW32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of x < 2**32; shifts are logical as x >= 0."""
+    x = _times(x ^ (x >> 16), 0x7FEB352D)
+    x = _times(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int) -> torch.Tensor:
+    """[rows] float32 in [0, 1), a function of (seed, position, stream) only (seed, position >= 0)."""
+    h = _mix(seed & _LOW32)
+    h = _mix(h ^ (seed >> 32))
+    h = _mix(h ^ ((2 * position + stream) & _LOW32))  # one stream per parity: DRAW and ACCEPT
+    return (h >> 8).float() / float(1 << 24)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[rows] the token where each row's cumulative probability first exceeds u times its total (never
+    a zero-probability token: its cumulative sum equals its predecessor's)."""
+    cumulative = probs.cumsum(-1)
+    index = (cumulative <= (u * cumulative[:, -1]).unsqueeze(1)).sum(-1)
+    # Rounding can put u * total at the total itself: the likeliest token then.
+    return torch.where(index < probs.shape[-1], index, probs.argmax(-1))
+
+
+@dataclass
+class RowSampling:
+    """Per-row draw settings. A filter may be one number when no row uses it (its cost is then
+    skipped); temperature 0 marks a greedy row."""
+
+    temperature: torch.Tensor  # [rows] float
+    seed: torch.Tensor  # [rows] long, >= 0
+    position: torch.Tensor  # [rows] long: the index in its sequence of the token drawn
+    top_k: torch.Tensor | int = 0
+    top_p: torch.Tensor | float = 1.0
+    min_p: torch.Tensor | float = 0.0
+
+
+def next_tokens(
+    logits: torch.Tensor, s: RowSampling, sampled: bool, guess: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[rows] long: the argmax in greedy rows, a draw from the filtered softmax in the others.
+
+    sampled: whether any row samples (False skips the draw). guess: [rows] a draft token per row (-1:
+    none), kept with probability p(guess), else the draw is from p without it (exact rejection
+    sampling of a point guess); a greedy row's argmax is compared with its guess by the caller."""
+    best = logits.argmax(-1)
+    if not sampled:
+        return best
+    greedy = s.temperature <= 0
+    temperature = torch.where(greedy, 1.0, s.temperature)
+    probs = filtered_logits(logits, temperature, s.top_k, s.top_p, s.min_p).softmax(-1)
+    u = uniform(s.seed, s.position, DRAW)
+    if guess is None:
+        return torch.where(greedy, best, inverse_cdf(probs, u))
+    has_guess = (guess >= 0).unsqueeze(1)
+    at_guess = has_guess & (torch.arange(probs.shape[-1], device=probs.device) == guess.unsqueeze(1))
+    p_guess = (probs * at_guess).sum(-1)
+    keep = uniform(s.seed, s.position, ACCEPT) < p_guess
+    drawn = torch.where(keep, guess, inverse_cdf(probs.masked_fill(at_guess, 0.0), u))
+    return torch.where(greedy, best, drawn)
+
+
+def sample(logits: torch.Tensor, temperature: float, seed: int = 0, position: int = 0) -> int:
+    """A token id from logits [vocab]: argmax at temperature 0, else the draw `next_tokens` makes for
+    (seed, position)."""
+    rows = RowSampling(
+        torch.tensor([temperature], device=logits.device),
+        torch.tensor([seed], device=logits.device),
+        torch.tensor([position], device=logits.device),
+    )
+    return int(next_tokens(logits.float().unsqueeze(0), rows, temperature > 0)[0])

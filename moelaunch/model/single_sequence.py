@@ -17,9 +17,10 @@ def stream_tokens(
     max_new_tokens: int,
     temperature: float = 0.0,
     stop_ids: tuple[int, ...] = (),
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> Iterator[int]:
-    """Yield generated token ids one by one; a stop token is yielded, then generation ends."""
+    """Yield generated token ids one by one; a stop token is yielded, then generation ends. A sampled
+    token's draw is keyed on (seed, its position), as the engine's are."""
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token")
     device = model.model.embed_tokens.weight.device
@@ -29,7 +30,7 @@ def stream_tokens(
     for _ in range(max_new_tokens):
         logits = model(tokens, start_pos=pos, cache=cache)[0, -1]
         pos += tokens.shape[1]
-        token = sample(logits, temperature, generator)
+        token = sample(logits, temperature, seed, pos)
         yield token
         if token in stop_ids:
             return
@@ -42,6 +43,6 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     stop_ids: tuple[int, ...] = (),
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> list[int]:
-    return list(stream_tokens(model, prompt_ids, max_new_tokens, temperature, stop_ids, generator))
+    return list(stream_tokens(model, prompt_ids, max_new_tokens, temperature, stop_ids, seed))
