@@ -14,8 +14,10 @@ from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
 
 
-def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
-    """x [T, K] with group g's rows at offsets[g]:offsets[g+1], weight [G, N, K] fp32 or bf16 -> [T, N].
+def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+    """x [T, K] with group g's rows at offsets[g]:offsets[g+1], weight [G, N, K] fp32 or bf16 -> [T, N];
+    gated (each group's weight [gate; up]): silu(gate product) * up product, [T, N / 2], the SiLU in the
+    kernel's epilogue.
 
     Computed in fp32 and returned in x's dtype.
     """
@@ -23,5 +25,6 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
         cast_if_needed(x, torch.float32).contiguous(),
         weight.contiguous(),
         cast_if_needed(offsets, torch.int64).contiguous(),
+        gated,
     )
     return cast_if_needed(out, x.dtype)
