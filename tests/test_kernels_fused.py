@@ -10,6 +10,7 @@ from error_bounds import gamma
 from moelaunch import kernels
 from moelaunch.kernels import cpu_extension
 from moelaunch.kernels import fused_reference as ref
+from moelaunch.kernels.selection import LINEAR_KERNEL_MAX_ROWS, moe_gate_on_cpu
 
 pytestmark = pytest.mark.skipif(cpu_extension.module() is None, reason="the CPU kernels did not build")
 ext = cpu_extension.module()
@@ -181,3 +182,9 @@ def test_moe_gate_is_the_router_gemm_then_the_routing():
         weights, ids = kernels.moe_gate(x, weight.clone().requires_grad_(), bias, *args)
     assert weights.requires_grad
     assert torch.equal(ids, ext.moe_gate_cpu(x, weight, bias, *args)[1])
+
+
+def test_moe_gate_leaves_prompt_sized_batches_to_blas():
+    weight = torch.randn(8, 16)
+    assert moe_gate_on_cpu(torch.randn(LINEAR_KERNEL_MAX_ROWS, 16), weight, None)
+    assert not moe_gate_on_cpu(torch.randn(LINEAR_KERNEL_MAX_ROWS + 1, 16), weight, None)

@@ -166,10 +166,11 @@ def moe_route_on_cpu(logits: Tensor, bias: Tensor | None) -> bool:
 
 
 def moe_gate_on_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    """x fp32 [T, D] and a contiguous router weight the grouped-linear kernel reads (fp32 or bf16)."""
+    """x fp32 [T, D] with few rows (where `linear` takes the kernel too: BLAS wins on prompts) and a
+    contiguous router weight the grouped-linear kernel reads (fp32 or bf16)."""
     return (
         x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
-        and grouped_linear_on_cpu(x, weight) and moe_route_on_cpu(x, bias)
+        and uses_grouped_linear_kernel(x, x.shape[0], weight) and moe_route_on_cpu(x, bias)
     )  # fmt: skip
 
 
