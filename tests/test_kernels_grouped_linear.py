@@ -11,10 +11,18 @@ from error_bounds import assert_within, matmul_error
 from moelaunch import kernels
 from moelaunch.kernels import grouped_linear_cpu
 from moelaunch.kernels import grouped_linear_reference as ref
+from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.fused_reference import silu_mul_ref
 from moelaunch.kernels.selection import LINEAR_KERNEL_MAX_ROWS
 
 IMPLEMENTATIONS = {"cpu": grouped_linear_cpu.grouped_linear_cpu, "reference": ref.grouped_linear_ref}
+# The gated form: the kernel's epilogue always, the dispatcher (epilogue or a second pass by rows per
+# group), the torch twin.
+GATED = {
+    "epilogue": lambda x, w, o, gated=False: cpu_kernel("grouped_linear_cpu")(x, w, o, gated),
+    "dispatch": grouped_linear_cpu.grouped_linear_cpu,
+    "reference": ref.grouped_linear_ref,
+}
 
 
 def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,19 +97,19 @@ def test_linear_dispatch(monkeypatch):
     ],
 )
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("impl", sorted(GATED))
 def test_gated_grouped_linear_is_silu_of_gate_times_up(counts, n, k, weight_dtype, impl):
     g = torch.Generator().manual_seed(sum(counts) + n + k)
     x = torch.randn(sum(counts), k, generator=g)
     weight = torch.randn(len(counts), n, k, generator=g).to(weight_dtype)
     offsets = torch.tensor([0, *counts]).cumsum(0)
-    fn = IMPLEMENTATIONS[impl]
+    fn = GATED[impl]
     out = fn(x, weight, offsets, gated=True)
     assert out.shape == (sum(counts), n // 2) and out.dtype == torch.float32
     # The epilogue sees the very products the plain call returns and gates them as its silu_mul does; the
     # C++ one gates a task's columns at a time, so a column may take the scalar exp where a whole row's
     # pass took the vector one (each within 2e-7 of e^x).
-    silu_mul = kernels.silu_mul if impl == "cpu" else silu_mul_ref
+    silu_mul = silu_mul_ref if impl == "reference" else kernels.silu_mul
     two_passes = silu_mul(*fn(x, weight, offsets).chunk(2, dim=-1))
     torch.testing.assert_close(out, two_passes, rtol=1e-6, atol=0)
     exact, bound = _expected(x, weight, counts)
@@ -125,3 +133,16 @@ def test_gated_kernel_refuses_an_odd_width():
     with pytest.raises(RuntimeError, match="N must be even"):
         x, odd = torch.randn(2, 8), torch.randn(1, 5, 8)
         grouped_linear_cpu.grouped_linear_cpu(x, odd, torch.tensor([0, 2]), gated=True)
+
+
+def test_gating_leaves_the_epilogue_above_two_rows_per_group(monkeypatch):
+    x, weight = torch.randn(5, 8), torch.randn(2, 6, 8)
+    flags: list[bool] = []
+    kernel = cpu_kernel("grouped_linear_cpu")
+    monkeypatch.setattr(
+        grouped_linear_cpu, "cpu_kernel", lambda name: lambda *a: flags.append(a[-1]) or kernel(*a)
+    )
+    for rows in (4, 5):  # 2 rows per group: the epilogue; 2.5: the product, then silu_mul
+        out = grouped_linear_cpu.grouped_linear_cpu(x[:rows], weight, torch.tensor([0, 2, rows]), gated=True)
+        assert out.shape == (rows, 3)
+    assert flags == [True, False]
