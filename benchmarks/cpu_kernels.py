@@ -5,7 +5,8 @@
 - few-row linear: `kernels.grouped_linear` (one group) against F.linear, for the bench model's
   projection shapes and one 671B-sized one;
 - routed experts: the grouped kernel over 16 stacked experts against one F.linear per expert and
-  against the zero-padded batched GEMM (`MoE.run_stacked`'s arithmetic);
+  against the zero-padded batched GEMM (`MoE.run_stacked`'s arithmetic); its SiLU-gated form
+  (`gated=True`, the gating in its epilogue) against the product followed by `silu_mul`;
 - paged MLA decode: the C++ kernel against the torch reference (8 heads, 512 + 64 latent, blocks of
   16, 290 cached tokens per row).
 
@@ -75,9 +76,18 @@ def experts(repeats: int) -> list[dict]:
         )
         batched = _best_ms(lambda s, p=padded: torch.bmm(p, s.transpose(1, 2)), stacks, repeats)
         ours = _best_ms(lambda s, x=x, o=offsets: kernels.grouped_linear(x, s, o), stacks, repeats)
-        results.append(
-            {"rows_per_expert": rows, "per_expert_ms": per_expert, "bmm_ms": batched, "kernel_ms": ours}
+        two_passes = _best_ms(
+            lambda s, x=x, o=offsets: kernels.silu_mul(*kernels.grouped_linear(x, s, o).chunk(2, dim=-1)),
+            stacks,
+            repeats,
         )
+        gated = _best_ms(
+            lambda s, x=x, o=offsets: kernels.grouped_linear(x, s, o, gated=True), stacks, repeats
+        )
+        results.append(
+            {"rows_per_expert": rows, "per_expert_ms": per_expert, "bmm_ms": batched, "kernel_ms": ours,
+             "kernel_then_silu_mul_ms": two_passes, "gated_kernel_ms": gated}
+        )  # fmt: skip
     return results
 
 
@@ -131,7 +141,8 @@ def main() -> None:
     for r in report["experts"]:
         print(
             f"  rows/expert={r['rows_per_expert']:3d}  per-expert F.linear {r['per_expert_ms']:7.3f}  "
-            f"padded bmm {r['bmm_ms']:7.3f}  kernel {r['kernel_ms']:7.3f}"
+            f"padded bmm {r['bmm_ms']:7.3f}  kernel {r['kernel_ms']:7.3f}  "
+            f"+silu_mul {r['kernel_then_silu_mul_ms']:7.3f}  gated {r['gated_kernel_ms']:7.3f}"
         )
     print("paged MLA decode, one layer, cold cache (ms)")
     for r in report["decode"]:

@@ -36,8 +36,13 @@ def decode_layer_pieces(x: Tensor, w: Tensor, norm: Tensor, cos: Tensor, sin: Te
     act = kernels.silu_mul(gate.contiguous(), up.contiguous())
     offsets = torch.tensor([0, 1, 3])
     y = kernels.grouped_linear(act, torch.stack([w[:, :16], w[:, 16:]]), offsets)
+    gated = kernels.grouped_linear(h, torch.stack([w, w.flip(0)]), offsets, gated=True)
     weights, slot = kernels.moe_route(x[:, :4].contiguous(), norm[:4], 2, 2, 1, True, True, 2.5)
-    return kernels.moe_combine(y, slot % 3, weights, latent + rotated)
+    latent_2 = h[:, 8:].clone()
+    q, both = kernels.mla_input_norms(h[:, :8], norm[:8], 1e-6, latent_2, norm[:16], 1e-6, cos, sin, True)
+    gate_weights, gate_ids = kernels.moe_gate(x, w[:4].contiguous(), None, 2, 1, 1, True, True, 1.0)
+    extra = (q.sum() + both.sum() + gate_weights.sum() + gate_ids.sum()) * gated.sum(-1, keepdim=True)
+    return kernels.moe_combine(y, slot % 3, weights, latent + rotated) + extra
 
 
 @torch.inference_mode()
@@ -48,7 +53,7 @@ def test_cpu_kernels_trace_as_custom_ops():
     args = (torch.randn(3, 32), torch.randn(32, 32), torch.rand(32) + 0.5, torch.rand(3, 4), torch.rand(3, 4))
     out, ops = compiled_ops(decode_layer_pieces, *args)
     names = {"rms_norm_cpu", "mla_latent_cpu", "rotate_tail_cpu", "silu_mul_cpu", "grouped_linear_cpu"}
-    assert ops == names | {"moe_route_cpu", "moe_combine_cpu"}
+    assert ops == names | {"moe_route_cpu", "moe_combine_cpu", "mla_input_norms_cpu", "moe_gate_cpu"}
     torch.testing.assert_close(out, decode_layer_pieces(*args), rtol=0, atol=0)
 
 

@@ -10,6 +10,7 @@ from error_bounds import gamma
 from moelaunch import kernels
 from moelaunch.kernels import cpu_extension
 from moelaunch.kernels import fused_reference as ref
+from moelaunch.kernels.selection import LINEAR_KERNEL_MAX_ROWS, moe_gate_on_cpu
 
 pytestmark = pytest.mark.skipif(cpu_extension.module() is None, reason="the CPU kernels did not build")
 ext = cpu_extension.module()
@@ -146,3 +147,44 @@ def test_moe_combine_adds_the_residual_once():
     out = ext.moe_combine_cpu(y, slot, weights, base, residual)
     torch.testing.assert_close(out, ref.moe_combine_ref(y, slot, weights, base, residual))
     torch.testing.assert_close(out - residual, ext.moe_combine_cpu(y, slot, weights, base), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_mla_input_norms_are_the_q_norm_and_the_latent_step(interleaved):
+    rows, q_rank, c, p = 7, 24, 40, 8
+    joint = torch.randn(rows, q_rank + c + p) * 2  # the joint q_a/kv_a product, split as the model does
+    fresh = joint.clone()
+    q_a, latent = joint.split([q_rank, c + p], dim=-1)
+    q_weight, weight = torch.randn(q_rank), torch.randn(c)
+    cos, sin = _tables(rows, p // 2)
+    want_q = ref.rms_norm_ref(q_a.clone(), q_weight, 1e-5)
+    want_latent = ref.mla_latent_ref(latent.clone(), weight, 1e-6, cos, sin, interleaved)
+    q = ext.mla_input_norms_cpu(q_a, q_weight, 1e-5, latent, weight, 1e-6, cos, sin, interleaved)
+    torch.testing.assert_close(q, want_q, rtol=_norm_rtol(q_rank), atol=0)
+    torch.testing.assert_close(latent, want_latent, rtol=_norm_rtol(c), atol=1e-5)  # in place, as mla_latent
+    # The dispatcher takes the kernel for these strided slices.
+    got_q, got_latent = kernels.mla_input_norms(
+        fresh[:, :q_rank], q_weight, 1e-5, fresh[:, q_rank:], weight, 1e-6, cos, sin, interleaved
+    )
+    assert torch.equal(got_q, q) and torch.equal(got_latent, latent)
+
+
+def test_moe_gate_is_the_router_gemm_then_the_routing():
+    experts = 64
+    x, weight, bias = torch.randn(9, 48), torch.randn(experts, 48) * 0.2, torch.randn(experts) * 0.3
+    args = (6, 8, 4, True, True, 2.5)  # V3's: top-6 of 8 groups, 4 kept
+    for w in (weight, weight.bfloat16()):
+        weights, ids = ext.moe_gate_cpu(x, w, bias, *args)
+        want_weights, want_ids = ref.moe_route_ref((x.double() @ w.double().T).float(), bias, *args)
+        assert torch.equal(ids, want_ids)  # random scores: no near-ties
+        torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=0)
+    with torch.enable_grad():  # under autograd: the torch path, F.linear then the routing
+        weights, ids = kernels.moe_gate(x, weight.clone().requires_grad_(), bias, *args)
+    assert weights.requires_grad
+    assert torch.equal(ids, ext.moe_gate_cpu(x, weight, bias, *args)[1])
+
+
+def test_moe_gate_leaves_prompt_sized_batches_to_blas():
+    weight = torch.randn(8, 16)
+    assert moe_gate_on_cpu(torch.randn(LINEAR_KERNEL_MAX_ROWS, 16), weight, None)
+    assert not moe_gate_on_cpu(torch.randn(LINEAR_KERNEL_MAX_ROWS + 1, 16), weight, None)

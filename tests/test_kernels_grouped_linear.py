@@ -11,9 +11,18 @@ from error_bounds import assert_within, matmul_error
 from moelaunch import kernels
 from moelaunch.kernels import grouped_linear_cpu
 from moelaunch.kernels import grouped_linear_reference as ref
+from moelaunch.kernels.cpu_ops import cpu_kernel
+from moelaunch.kernels.fused_reference import silu_mul_ref
 from moelaunch.kernels.selection import LINEAR_KERNEL_MAX_ROWS
 
 IMPLEMENTATIONS = {"cpu": grouped_linear_cpu.grouped_linear_cpu, "reference": ref.grouped_linear_ref}
+# The gated form: the kernel's epilogue always, the dispatcher (epilogue or a second pass by rows per
+# group), the torch twin.
+GATED = {
+    "epilogue": lambda x, w, o, gated=False: cpu_kernel("grouped_linear_cpu")(x, w, o, gated),
+    "dispatch": grouped_linear_cpu.grouped_linear_cpu,
+    "reference": ref.grouped_linear_ref,
+}
 
 
 def _expected(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,3 +86,63 @@ def test_linear_dispatch(monkeypatch):
         assert _linear_calls(monkeypatch, torch.randn(2, 16), trained) == ["kernel"]
     monkeypatch.setenv("MOELAUNCH_CPU_KERNELS", "0")
     assert _linear_calls(monkeypatch, torch.randn(2, 16), weight) == ["blas"]
+
+
+@pytest.mark.parametrize(
+    ("counts", "n", "k"),
+    [
+        ([1], 14, 5),  # tails everywhere: 7 gate columns, K below one vector
+        ([0, 3, 0, 5, 2], 22, 19),  # empty groups, row and column remainders
+        ([4, 4, 4, 4], 130, 72),  # 65 gate columns: each group's columns over several tasks
+    ],
+)
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", sorted(GATED))
+def test_gated_grouped_linear_is_silu_of_gate_times_up(counts, n, k, weight_dtype, impl):
+    g = torch.Generator().manual_seed(sum(counts) + n + k)
+    x = torch.randn(sum(counts), k, generator=g)
+    weight = torch.randn(len(counts), n, k, generator=g).to(weight_dtype)
+    offsets = torch.tensor([0, *counts]).cumsum(0)
+    fn = GATED[impl]
+    out = fn(x, weight, offsets, gated=True)
+    assert out.shape == (sum(counts), n // 2) and out.dtype == torch.float32
+    # The epilogue sees the very products the plain call returns and gates them as its silu_mul does; the
+    # C++ one gates a task's columns at a time, so a column may take the scalar exp where a whole row's
+    # pass took the vector one (each within 2e-7 of e^x).
+    silu_mul = silu_mul_ref if impl == "reference" else kernels.silu_mul
+    two_passes = silu_mul(*fn(x, weight, offsets).chunk(2, dim=-1))
+    torch.testing.assert_close(out, two_passes, rtol=1e-6, atol=0)
+    exact, bound = _expected(x, weight, counts)
+    gate, up = exact.chunk(2, dim=-1)
+    # |d silu(g) / dg| < 1.1: a product's error moves silu(g) * u by at most 1.1 |u| e_g + |silu(g)| e_u.
+    e_gate, e_up = bound.chunk(2, dim=-1)
+    slack = 1.1 * up.abs() * e_gate + F.silu(gate).abs() * e_up + 1e-6 * (F.silu(gate) * up).abs()
+    assert_within(out, F.silu(gate) * up, slack)
+
+
+def test_gated_linear_dispatch(monkeypatch):
+    weight = torch.randn(24, 16)
+    for rows in (3, LINEAR_KERNEL_MAX_ROWS + 1):  # the kernel's epilogue, then F.linear and silu_mul
+        x = torch.randn(rows, 16)
+        out = kernels.linear(x, weight, gated=True)
+        expected = F.silu(x.double() @ weight[:12].double().T) * (x.double() @ weight[12:].double().T)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_kernel_refuses_an_odd_width():
+    with pytest.raises(RuntimeError, match="N must be even"):
+        x, odd = torch.randn(2, 8), torch.randn(1, 5, 8)
+        grouped_linear_cpu.grouped_linear_cpu(x, odd, torch.tensor([0, 2]), gated=True)
+
+
+def test_gating_leaves_the_epilogue_above_two_rows_per_group(monkeypatch):
+    x, weight = torch.randn(5, 8), torch.randn(2, 6, 8)
+    flags: list[bool] = []
+    kernel = cpu_kernel("grouped_linear_cpu")
+    monkeypatch.setattr(
+        grouped_linear_cpu, "cpu_kernel", lambda name: lambda *a: flags.append(a[-1]) or kernel(*a)
+    )
+    for rows in (4, 5):  # 2 rows per group: the epilogue; 2.5: the product, then silu_mul
+        out = grouped_linear_cpu.grouped_linear_cpu(x[:rows], weight, torch.tensor([0, 2, rows]), gated=True)
+        assert out.shape == (rows, 3)
+    assert flags == [True, False]

@@ -149,11 +149,10 @@ def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantiza
         assert counters["stats"]["unique_graphs"] - graphs_before == 3
 
 
-# Device ops per layer of a batch-1 static decode step on the V3 shape below: 23.4 measured (30.6 before
-# the expert sort with its gather, the residual add with the next RMSNorm and the MoE's residual add with
-# its combine became one kernel each, and q_a with kv_a one product; the issue asks for <= 20: the shared
-# experts folded into the routed product and SiLU gating in the GEMM's epilogue are next).
-OPS_PER_LAYER_BUDGET = 24
+# Device ops per layer of a batch-1 static decode step on the V3 shape below: 19.4 measured (23.4 before
+# SiLU gating went into the gate/up products' epilogue, the router's GEMM into its routing kernel and the
+# q_a norm into the latent's norm-and-rotary kernel; 30.6 before the sort, add-norm and combine fusions).
+OPS_PER_LAYER_BUDGET = 20
 V3_SHAPE = dict(
     num_hidden_layers=8,
     first_k_dense_replace=0,

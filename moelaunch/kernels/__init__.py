@@ -22,8 +22,10 @@ from moelaunch.kernels.dispatch import (
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE, FP8_MAX
 from moelaunch.kernels.fused import (
     add_rms_norm,
+    mla_input_norms,
     mla_latent,
     moe_combine,
+    moe_gate,
     moe_route,
     moe_sort_rows,
     rms_norm,
@@ -79,10 +81,12 @@ __all__ = [
     "int8_weight_quant",
     "int_linear_on_cpu",
     "linear",
+    "mla_input_norms",
     "mla_latent",
     "moe_combine",
     "moe_experts",
     "moe_grouped_gemm",
+    "moe_gate",
     "moe_route",
     "moe_sort_rows",
     "paged_mla_decode",

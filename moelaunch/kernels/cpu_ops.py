@@ -40,13 +40,13 @@ def cpu_kernel(name: str) -> Callable:
 
 
 @torch.library.custom_op("moelaunch::grouped_linear_cpu", mutates_args=())
-def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
-    return _ext().grouped_linear_cpu(x, weight, offsets)
+def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+    return _ext().grouped_linear_cpu(x, weight, offsets, gated)
 
 
 @grouped_linear_cpu.register_fake
-def _(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
-    return x.new_empty(x.shape[0], weight.shape[1], dtype=torch.float32)
+def _(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1] // (2 if gated else 1), dtype=torch.float32)
 
 
 @torch.library.custom_op("moelaunch::paged_mla_decode_cpu", mutates_args=())
@@ -108,6 +108,26 @@ def mla_latent_cpu(
 @mla_latent_cpu.register_fake
 def _(latent, weight, eps, cos, sin, interleaved) -> None:
     return None
+
+
+@torch.library.custom_op("moelaunch::mla_input_norms_cpu", mutates_args=("latent",))
+def mla_input_norms_cpu(
+    q_a: Tensor,
+    q_weight: Tensor,
+    q_eps: float,
+    latent: Tensor,
+    weight: Tensor,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+) -> Tensor:
+    return _ext().mla_input_norms_cpu(q_a, q_weight, q_eps, latent, weight, eps, cos, sin, interleaved)
+
+
+@mla_input_norms_cpu.register_fake
+def _(q_a, q_weight, q_eps, latent, weight, eps, cos, sin, interleaved) -> Tensor:
+    return q_a.new_empty(q_a.shape)
 
 
 @torch.library.custom_op("moelaunch::rotate_tail_cpu", mutates_args=("x",))
@@ -172,6 +192,29 @@ def moe_route_cpu(
 def _(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale) -> tuple[Tensor, Tensor]:
     rows = logits.shape[0]
     return logits.new_empty(rows, top_k), logits.new_empty(rows, top_k, dtype=torch.long)
+
+
+@torch.library.custom_op("moelaunch::moe_gate_cpu", mutates_args=())
+def moe_gate_cpu(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    routing = (top_k, n_groups, topk_groups, sigmoid, normalize, scale)
+    weights, ids = _ext().moe_gate_cpu(x, weight, bias, *routing)
+    return weights, ids
+
+
+@moe_gate_cpu.register_fake
+def _(x, weight, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale) -> tuple[Tensor, Tensor]:
+    rows = x.shape[0]
+    return x.new_empty(rows, top_k), x.new_empty(rows, top_k, dtype=torch.long)
 
 
 @torch.library.custom_op("moelaunch::moe_sort_rows_cpu", mutates_args=())

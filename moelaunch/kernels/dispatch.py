@@ -18,6 +18,7 @@ from moelaunch.kernels import grouped_linear_reference as linear_ref
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as mla_ref
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE
+from moelaunch.kernels.fused import silu_mul
 from moelaunch.kernels.selection import (
     grouped_linear_on_cpu,
     paged_mla_decode_on_cpu,
@@ -101,11 +102,12 @@ def paged_mla_decode(
     return mla_ref.paged_mla_decode_ref(*args, cache_scales, starts)
 
 
-def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
+def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
     """Rows offsets[g]:offsets[g+1] of x [T, K] times weight[g].T ([G, N, K]) -> [T, N]: the CPU kernel
-    where `selection.grouped_linear_on_cpu` says so, else its torch twin."""
+    where `selection.grouped_linear_on_cpu` says so, else its torch twin. gated: each weight[g] is
+    [gate; up] and the result silu(gate product) * up product, [T, N / 2]."""
     fn = linear_cpu.grouped_linear_cpu if grouped_linear_on_cpu(x, weight) else linear_ref.grouped_linear_ref
-    return fn(x, weight, offsets)
+    return fn(x, weight, offsets, gated)
 
 
 @functools.cache
@@ -119,13 +121,17 @@ def _one_group(rows: int) -> Tensor:
     return _one_group_made(rows)
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
+def linear(x: Tensor, weight: Tensor, gated: bool = False) -> Tensor:
     """x @ weight.T for a plain float weight: the CPU kernel for few rows, F.linear otherwise (a bf16
-    weight under fp32 rows: a bf16 GEMM, which oneDNN runs on AMX where the CPU has it)."""
+    weight under fp32 rows: a bf16 GEMM, which oneDNN runs on AMX where the CPU has it). gated: weight is
+    [gate; up] and the result silu(x @ gate.T) * (x @ up.T), in the kernel's epilogue where it runs."""
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
         if x.dtype != weight.dtype:
-            return F.linear(x.to(weight.dtype), weight).to(x.dtype)
-        return F.linear(x, weight)
-    out = linear_cpu.grouped_linear_cpu(x.reshape(rows, x.shape[-1]), weight.unsqueeze(0), _one_group(rows))
-    return out.view(*x.shape[:-1], weight.shape[0])
+            out = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        else:
+            out = F.linear(x, weight)
+        return silu_mul(*out.chunk(2, dim=-1)) if gated else out
+    flat = x.reshape(rows, x.shape[-1])
+    out = linear_cpu.grouped_linear_cpu(flat, weight.unsqueeze(0), _one_group(rows), gated)
+    return out.view(*x.shape[:-1], out.shape[-1])

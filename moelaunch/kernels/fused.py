@@ -1,5 +1,5 @@
 """The small per-token steps around the big products (RMSNorm, rotary embedding, SiLU gating, the
-routed experts' weighted sum, the MoE router after its GEMM): csrc/fused_cpu.cpp and
+routed experts' weighted sum, the MoE router with or without its GEMM): csrc/fused_cpu.cpp and
 csrc/moe_route_cpu.cpp where `selection` says so (fp32 CPU tensors outside
 autograd), the torch references in `fused_reference` everywhere else.
 
@@ -9,6 +9,7 @@ returned tensor and not the input's old values.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from moelaunch.kernels import fused_reference as ref
@@ -34,6 +35,28 @@ def mla_latent(
         )
         return latent
     return ref.mla_latent_ref(latent, weight, eps, cos, sin, interleaved)
+
+
+def mla_input_norms(
+    q_a: Tensor,
+    q_weight: Tensor,
+    q_eps: float,
+    latent: Tensor,
+    weight: Tensor,
+    eps: float,
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool,
+) -> tuple[Tensor, Tensor]:
+    """(rms_norm(q_a), mla_latent(latent, ...)): the MLA's two input norms, one kernel call on the CPU.
+    latent may be worked on in place, as in mla_latent."""
+    if selection.mla_input_norms_on_cpu(q_a, q_weight, latent, weight, cos, sin):
+        q = cpu_kernel("mla_input_norms_cpu")(
+            q_a, q_weight.contiguous(), q_eps, latent, weight.contiguous(), eps, cos.contiguous(),
+            sin.contiguous(), interleaved,
+        )  # fmt: skip
+        return q, latent
+    return rms_norm(q_a, q_weight, q_eps), mla_latent(latent, weight, eps, cos, sin, interleaved)
 
 
 def rotate_tail(x: Tensor, cos: Tensor, sin: Tensor, p: int, interleaved: bool) -> Tensor:
@@ -88,6 +111,26 @@ def moe_route(
         weights, ids = cpu_kernel("moe_route_cpu")(logits.contiguous(), bias, *args)
         return weights, ids
     return ref.moe_route_ref(logits, bias, *args)
+
+
+def moe_gate(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    sigmoid: bool,
+    normalize: bool,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """The router: logits = x [T, D] @ weight [E, D]^T in fp32, then moe_route; one kernel call on the CPU
+    (its GEMM the grouped-linear kernel's)."""
+    args = (top_k, n_groups, topk_groups, sigmoid, normalize, scale)
+    if selection.moe_gate_on_cpu(x, weight, bias):
+        weights, ids = cpu_kernel("moe_gate_cpu")(x, weight, bias, *args)
+        return weights, ids
+    return moe_route(F.linear(x.float(), weight.float()), bias, *args)
 
 
 def moe_sort_rows(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -12,16 +12,28 @@ from torch import Tensor
 
 from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
+from moelaunch.kernels.fused import silu_mul
+
+# Rows per group (on average) up to which SiLU gating runs in the kernel's epilogue: measured faster than
+# a second pass at 1-2 rows per group, slower from 4 (benchmarks/cpu_kernels.py; docs/benchmarks.md,
+# issue 29). Decode's routed experts get 1-2 rows each; a batch's shared experts, one group, get more.
+GATED_EPILOGUE_MAX_ROWS = 2
 
 
-def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
-    """x [T, K] with group g's rows at offsets[g]:offsets[g+1], weight [G, N, K] fp32 or bf16 -> [T, N].
+def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+    """x [T, K] with group g's rows at offsets[g]:offsets[g+1], weight [G, N, K] fp32 or bf16 -> [T, N];
+    gated (each group's weight [gate; up]): silu(gate product) * up product, [T, N / 2], the SiLU in the
+    kernel's epilogue.
 
     Computed in fp32 and returned in x's dtype.
     """
+    epilogue = gated and x.shape[0] <= GATED_EPILOGUE_MAX_ROWS * weight.shape[0]
     out = cpu_kernel("grouped_linear_cpu")(
         cast_if_needed(x, torch.float32).contiguous(),
         weight.contiguous(),
         cast_if_needed(offsets, torch.int64).contiguous(),
+        epilogue,
     )
+    if gated and not epilogue:
+        out = silu_mul(*out.chunk(2, dim=-1))
     return cast_if_needed(out, x.dtype)

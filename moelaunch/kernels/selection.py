@@ -130,6 +130,15 @@ def mla_latent_on_cpu(latent: Tensor, weight: Tensor, cos: Tensor, sin: Tensor) 
     return latent.stride(-1) == 1 and _cpu_kernel_takes(latent, weight, cos, sin)
 
 
+def mla_input_norms_on_cpu(
+    q_a: Tensor, q_weight: Tensor, latent: Tensor, weight: Tensor, cos: Tensor, sin: Tensor
+) -> bool:
+    return (
+        q_a.dim() == 2 and q_a.stride(-1) == 1 and rms_norm_on_cpu(q_a, q_weight)
+        and mla_latent_on_cpu(latent, weight, cos, sin)
+    )  # fmt: skip
+
+
 def rotate_tail_on_cpu(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
     return x.stride(-1) == 1 and _cpu_kernel_takes(x, cos, sin)
 
@@ -154,6 +163,15 @@ def moe_route_on_cpu(logits: Tensor, bias: Tensor | None) -> bool:
     if bias is None:
         return _cpu_kernel_takes(logits)
     return _cpu_kernel_takes(logits, bias) and bias.is_contiguous()
+
+
+def moe_gate_on_cpu(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """x fp32 [T, D] with few rows (where `linear` takes the kernel too: BLAS wins on prompts) and a
+    contiguous router weight the grouped-linear kernel reads (fp32 or bf16)."""
+    return (
+        x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
+        and uses_grouped_linear_kernel(x, x.shape[0], weight) and moe_route_on_cpu(x, bias)
+    )  # fmt: skip
 
 
 def moe_sort_rows_on_cpu(x: Tensor, ids: Tensor) -> bool:

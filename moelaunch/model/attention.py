@@ -106,7 +106,11 @@ class MLA(nn.Module):
             q_a, kv_a = self._joint_a[0](x).split(
                 [self.q_a_proj.out_features, self.kv_rank + self.rope_dim], -1
             )
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_norm, kv_norm = self.q_a_layernorm, self.kv_a_layernorm
+            q_a, latent = kernels.mla_input_norms(
+                q_a, q_norm.weight, q_norm.eps, kv_a, kv_norm.weight, kv_norm.eps, cos, sin, rope.interleaved
+            )
+            q = self.q_b_proj(q_a)
         else:
             kv_a = self.kv_a_proj_with_mqa(x)
             q = (
@@ -118,9 +122,11 @@ class MLA(nn.Module):
         # dots it with [k_nope | k_pe] as is).
         q = kernels.rotate_tail(q.view(n, self.n_heads, -1), cos, sin, self.rope_dim, rope.interleaved)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        # The cached latent [c_kv | k_pe]: normalized and rotated, then stored as is.
-        norm = self.kv_a_layernorm
-        latent = kernels.mla_latent(kv_a, norm.weight, norm.eps, cos, sin, rope.interleaved)
+        # The cached latent [c_kv | k_pe]: normalized and rotated (with q_a's norm above when joint), then
+        # stored as is.
+        if self._joint_a is None:
+            norm = self.kv_a_layernorm
+            latent = kernels.mla_latent(kv_a, norm.weight, norm.eps, cos, sin, rope.interleaved)
         kv, k_pe = latent.split([self.kv_rank, self.rope_dim], dim=-1)
         cache = layout.cache
         if cache is not None:

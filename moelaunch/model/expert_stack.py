@@ -63,10 +63,15 @@ class ExpertStack:
                     setattr(lin, attr, nn.Parameter(view, requires_grad=False) if attr == "weight" else view)
         return stack
 
-    def grouped(self, x: Tensor, offsets: Tensor) -> Tensor:
-        """Rows offsets[e]:offsets[e+1] of x through expert e's projection."""
+    def grouped(self, x: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+        """Rows offsets[e]:offsets[e+1] of x through expert e's projection. gated (a [gate; up] stack):
+        silu(gate) * up, in the float kernel's epilogue; integer kernels gate in a pass of their own."""
         if self.quant is None:
-            return kernels.grouped_linear(x, self.weight, offsets)
+            return kernels.grouped_linear(x, self.weight, offsets, gated)
+        out = self._int_grouped(x, offsets)
+        return kernels.silu_mul(*out.chunk(2, dim=-1)) if gated else out
+
+    def _int_grouped(self, x: Tensor, offsets: Tensor) -> Tensor:
         if self.quant.method == "int4":
             return kernels.int4_grouped_linear(
                 x, self.weight, self.scale, self.zero, offsets, self.quant.group_size

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moelaunch import kernels
@@ -31,11 +30,11 @@ class Gate(nn.Module):
         self.register_buffer("e_score_correction_bias", bias)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())
         grouped = self.method != "greedy" and self.n_groups > 1
         groups, kept = (self.n_groups, self.topk_groups) if grouped else (1, 1)
-        return kernels.moe_route(
-            logits,
+        return kernels.moe_gate(
+            x,
+            self.weight,
             self.e_score_correction_bias,
             self.top_k,
             groups,

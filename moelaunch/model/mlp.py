@@ -21,11 +21,9 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # set by stack_gate_up(): [gate; up], one product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
-            gate, up = kernels.linear(x, self.gate_up).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(kernels.silu_mul(gate, up))
+        if self.gate_up is not None:  # the SiLU gating in the product's epilogue
+            return self.down_proj(kernels.linear(x, self.gate_up, gated=True))
+        return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
     @torch.no_grad()
     def stack_gate_up(self) -> None:

@@ -190,8 +190,7 @@ class MoE(nn.Module):
     def run_grouped_kernel(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The local experts through the CPU grouped kernels (float or integer), local expert e on rows
         offsets[e]:offsets[e+1]: no padding, idle experts' weights unread."""
-        gate, up = self.gate_up.grouped(x_sorted, offsets).chunk(2, dim=-1)
-        return self.down.grouped(kernels.silu_mul(gate, up), offsets)
+        return self.down.grouped(self.gate_up.grouped(x_sorted, offsets, gated=True), offsets)
 
     def run_moe_kernel(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The local experts through the grouped MoE kernel, local expert e on rows offsets[e]:offsets[e+1]

@@ -7,10 +7,13 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
 torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                        torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
                                        double scale, c10::optional<torch::Tensor> starts);
-torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets);
+torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated);
 torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
                              torch::Tensor sin, bool interleaved);
+torch::Tensor mla_input_norms_cpu(torch::Tensor q_a, torch::Tensor q_weight, double q_eps, torch::Tensor latent,
+                                  torch::Tensor weight, double eps, torch::Tensor cos, torch::Tensor sin,
+                                  bool interleaved);
 torch::Tensor rotate_tail_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t p, bool interleaved);
 torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
 torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor weights,
@@ -26,6 +29,9 @@ int64_t int_kernel_best_path();
 std::vector<torch::Tensor> moe_route_cpu(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t top_k,
                                          int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize,
                                          double scale);
+std::vector<torch::Tensor> moe_gate_cpu(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+                                        int64_t top_k, int64_t n_groups, int64_t topk_groups, bool sigmoid,
+                                        bool normalize, double scale);
 std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids, int64_t n_experts);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -35,9 +41,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu, "paged MLA decode over an fp8 cache",
         py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("cache_scales"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none());
-  m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows");
+  m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows; gated: SiLU-gated",
+        py::arg("x"), py::arg("weight"), py::arg("offsets"), py::arg("gated") = false);
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm of fp32 rows");
   m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
+  m.def("mla_input_norms_cpu", &mla_input_norms_cpu,
+        "mla_latent_cpu in place on the latent, and RMSNorm of q_a into a new tensor, in one pass");
   m.def("rotate_tail_cpu", &rotate_tail_cpu, "in place: rotary embedding of each head's last columns");
   m.def("silu_mul_cpu", &silu_mul_cpu, "silu(gate) * up");
   m.def("moe_combine_cpu", &moe_combine_cpu,
@@ -51,5 +60,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("scale"), py::arg("offsets"), py::arg("path"), py::arg("row_amax") = py::none());
   m.def("int_kernel_best_path", &int_kernel_best_path, "the fastest integer-kernel path this build has");
   m.def("moe_route_cpu", &moe_route_cpu, "MoE router after its GEMM: scores, groups, top-k, weights");
+  m.def("moe_gate_cpu", &moe_gate_cpu, "the router's GEMM, then moe_route_cpu");
   m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, "(token, expert) pairs sorted by expert, their rows gathered");
 }

@@ -16,10 +16,10 @@
 
 namespace {
 
-using moelaunch::exp8;
 using moelaunch::hsum;
 using moelaunch::kLanes;
 using moelaunch::load8;
+using moelaunch::silu_mul_row;
 using moelaunch::store8;
 using moelaunch::vec8;
 
@@ -115,9 +115,11 @@ std::vector<torch::Tensor> add_rms_norm_cpu(torch::Tensor x, torch::Tensor y, to
 }
 
 // In place on latent [N, C + P]: RMSNorm (weight [C]) on the first C columns, rotary embedding (tables
-// [N, P/2]) on the last P. Returns latent.
-torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
-                             torch::Tensor sin, bool interleaved) {
+// [N, P/2]) on the last P. With q_a [N, Q] (and q_weight [Q], q_eps), RMSNorm of q_a into q_out in the
+// same pass over the rows: the MLA's two input norms as one call.
+static void mla_norm_rows(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos, torch::Tensor sin,
+                          bool interleaved, const torch::Tensor* q_a, const torch::Tensor* q_weight, double q_eps,
+                          torch::Tensor* q_out) {
   check_rows(latent, "latent");
   TORCH_CHECK(latent.dim() == 2 && weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() &&
                   weight.numel() < latent.size(1),
@@ -129,14 +131,39 @@ torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const float e = static_cast<float>(eps);
+  const float* qp = q_a ? q_a->data_ptr<float>() : nullptr;
+  const float* qwp = q_a ? q_weight->data_ptr<float>() : nullptr;
+  float* qop = q_a ? q_out->data_ptr<float>() : nullptr;
+  const int64_t q_width = q_a ? q_a->size(1) : 0, q_stride = q_a ? q_a->stride(0) : 0;
+  const float qe = static_cast<float>(q_eps);
   at::parallel_for(0, latent.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* row = lp + r * stride;
       rms_norm_row(row, wp, c, e, row);
       rotate_row(row + c, cp + r * p / 2, sp + r * p / 2, p, interleaved);
+      if (qp) rms_norm_row(qp + r * q_stride, qwp, q_width, qe, qop + r * q_width);
     }
   });
+}
+
+// latent [N, C + P] normalized and rotated in place (see mla_norm_rows). Returns latent.
+torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
+                             torch::Tensor sin, bool interleaved) {
+  mla_norm_rows(latent, weight, eps, cos, sin, interleaved, nullptr, nullptr, 0.0, nullptr);
   return latent;
+}
+
+// mla_latent_cpu on latent, and returns RMSNorm(q_a) (q_a [N, Q], q_weight [Q]) as a new [N, Q].
+torch::Tensor mla_input_norms_cpu(torch::Tensor q_a, torch::Tensor q_weight, double q_eps, torch::Tensor latent,
+                                  torch::Tensor weight, double eps, torch::Tensor cos, torch::Tensor sin,
+                                  bool interleaved) {
+  check_rows(q_a, "q_a");
+  TORCH_CHECK(q_a.dim() == 2 && q_a.size(0) == latent.size(0), "q_a must be [N, Q] with latent's N");
+  TORCH_CHECK(q_weight.scalar_type() == torch::kFloat32 && q_weight.is_contiguous() && q_weight.numel() == q_a.size(1),
+              "q_weight must be a contiguous fp32 [Q]");
+  auto q_out = torch::empty({q_a.size(0), q_a.size(1)}, q_a.options());
+  mla_norm_rows(latent, weight, eps, cos, sin, interleaved, &q_a, &q_weight, q_eps, &q_out);
+  return q_out;
 }
 
 // In place on x [N, H, D]: rotary embedding (tables [N, P/2]) on the last P columns of every head.
@@ -170,20 +197,7 @@ torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up) {
   const float* upp = up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, gate.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* g = gp + r * gs;
-      const float* u = upp + r * us;
-      float* o = op + r * n;
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
-        // sigmoid(g) from e^-|g| (never overflows): 1 / (1 + e) for g >= 0, e / (1 + e) below.
-        const vec8 v = load8(g + i);
-        const vec8 e = exp8(v < 0.f ? v : -v);
-        const vec8 sig = (v < 0.f ? e : vec8{} + 1.f) / (e + 1.f);
-        store8(o + i, v * sig * load8(u + i));
-      }
-      for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
+    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * gs, upp + r * us, n, op + r * n);
   });
   return out;
 }

@@ -20,6 +20,7 @@ using moelaunch::in_register;
 using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
+using moelaunch::silu_mul_row;
 using moelaunch::SpreadPrefetcher;
 using moelaunch::to_float;
 using moelaunch::vec8;
@@ -93,23 +94,44 @@ inline void rows_by_weight_tile(const float* x, const weight_t* w, float* out, i
   }
 }
 
+// weight rows [n_begin, n_end) of group g's weight against the group's rows, into out (row width n_total).
 template <typename weight_t>
-void grouped_linear(const float* x, const weight_t* weight, const int64_t* offsets, float* out, int64_t groups,
-                    int64_t n_total, int64_t k) {
-  const int64_t tasks_per_group = (n_total + kTaskWeightRows - 1) / kTaskWeightRows;
+void weight_rows(const float* x, const weight_t* w, float* out, int64_t m0, int64_t m1, int64_t k, int64_t n_total,
+                 int64_t n_begin, int64_t n_end) {
+  int64_t n = n_begin;
+  for (; n + kWeightTile <= n_end; n += kWeightTile) {
+    rows_by_weight_tile<kWeightTile>(x, w + n * k, out, m0, m1, k, n_total, n);
+  }
+  for (; n < n_end; ++n) rows_by_weight_tile<1>(x, w + n * k, out, m0, m1, k, n_total, n);
+}
+
+// gated: weight [G, 2I, K] holds each group's [gate; up] and out is [T, I] = silu(gate) * up. A task then
+// takes gate columns [j, j + tile) with the matching up columns, so its epilogue finds both in `scratch`
+// ([T, 2I]) while they are still in cache: the gate never makes a pass of its own.
+template <typename weight_t>
+void grouped_linear(const float* x, const weight_t* weight, const int64_t* offsets, float* out, float* scratch,
+                    int64_t groups, int64_t n_total, int64_t k, bool gated) {
+  const int64_t n_out = gated ? n_total / 2 : n_total;
+  const int64_t tile = gated ? kTaskWeightRows / 2 : kTaskWeightRows;  // the same weight rows per task
+  const int64_t tasks_per_group = (n_out + tile - 1) / tile;
   at::parallel_for(0, groups * tasks_per_group, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / tasks_per_group;
       const int64_t m0 = offsets[g], m1 = offsets[g + 1];
       if (m0 == m1) continue;
-      const int64_t n_begin = (task % tasks_per_group) * kTaskWeightRows;
-      const int64_t n_end = std::min(n_total, n_begin + kTaskWeightRows);
+      const int64_t n_begin = (task % tasks_per_group) * tile;
+      const int64_t n_end = std::min(n_out, n_begin + tile);
       const weight_t* w = weight + g * n_total * k;
-      int64_t n = n_begin;
-      for (; n + kWeightTile <= n_end; n += kWeightTile) {
-        rows_by_weight_tile<kWeightTile>(x, w + n * k, out, m0, m1, k, n_total, n);
+      if (!gated) {
+        weight_rows(x, w, out, m0, m1, k, n_total, n_begin, n_end);
+        continue;
       }
-      for (; n < n_end; ++n) rows_by_weight_tile<1>(x, w + n * k, out, m0, m1, k, n_total, n);
+      weight_rows(x, w, scratch, m0, m1, k, n_total, n_begin, n_end);
+      weight_rows(x, w, scratch, m0, m1, k, n_total, n_out + n_begin, n_out + n_end);
+      for (int64_t m = m0; m < m1; ++m) {
+        const float* row = scratch + m * n_total;
+        silu_mul_row(row + n_begin, row + n_out + n_begin, n_end - n_begin, out + m * n_out + n_begin);
+      }
     }
   });
 }
@@ -117,23 +139,28 @@ void grouped_linear(const float* x, const weight_t* weight, const int64_t* offse
 }  // namespace
 
 // x [T, K] fp32 with rows grouped; weight [G, N, K] fp32 or bf16; offsets [G + 1] int64, non-decreasing,
-// offsets[0] = 0 and offsets[G] = T. Returns [T, N] fp32.
-torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets) {
+// offsets[0] = 0 and offsets[G] = T. Returns [T, N] fp32, or with gated (N even: each group's [gate; up])
+// [T, N / 2] = silu(x @ gate^T) * (x @ up^T).
+torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be fp32");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && offsets.dim() == 1, "x [T, K], weight [G, N, K], offsets [G+1]");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && offsets.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.size(0) == weight.size(0) + 1,
               "offsets must be int64 with one more entry than groups");
   TORCH_CHECK(weight.size(2) == x.size(1), "x and weight disagree on K");
+  TORCH_CHECK(!gated || weight.size(1) % 2 == 0, "a gated weight stacks [gate; up]: N must be even");
   const int64_t groups = weight.size(0), n = weight.size(1), k = weight.size(2);
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[groups] == x.size(0), "offsets must start at 0 and end at x's row count");
-  auto out = torch::empty({x.size(0), n}, x.options());
+  auto out = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
+  auto scratch = gated ? torch::empty({x.size(0), n}, x.options()) : torch::Tensor();
+  float* sp = gated ? scratch.data_ptr<float>() : nullptr;
   if (weight.scalar_type() == torch::kFloat32) {
-    grouped_linear(x.data_ptr<float>(), weight.data_ptr<float>(), off, out.data_ptr<float>(), groups, n, k);
+    grouped_linear(x.data_ptr<float>(), weight.data_ptr<float>(), off, out.data_ptr<float>(), sp, groups, n, k,
+                   gated);
   } else if (weight.scalar_type() == torch::kBFloat16) {
     grouped_linear(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(weight.data_ptr()), off,
-                   out.data_ptr<float>(), groups, n, k);
+                   out.data_ptr<float>(), sp, groups, n, k, gated);
   } else {
     TORCH_CHECK(false, "weight dtype must be fp32 or bf16, got ", weight.scalar_type());
   }

@@ -5,6 +5,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -85,6 +86,19 @@ inline vec8 exp8(vec8 x) {
   vec8 scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// o[0:n] = silu(g[0:n]) * u[0:n], sigmoid(g) from e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
+// e / (1 + e) below. One definition for the SiLU gate kernel and the grouped GEMM's gated epilogue.
+inline void silu_mul_row(const float* g, const float* u, int64_t n, float* o) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vec8 v = load8(g + i);
+    const vec8 e = exp8(v < 0.f ? v : -v);
+    const vec8 sig = (v < 0.f ? e : vec8{} + 1.f) / (e + 1.f);
+    store8(o + i, v * sig * load8(u + i));
+  }
+  for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
 }  // namespace moelaunch
