@@ -53,3 +53,14 @@ def test_the_losing_side_is_measured_again(capsys):
     log = capsys.readouterr().err
     assert log.count("MTP off at batch 8-15") == 1
     assert "333 tok/s with drafts (acceptance 0.50) vs 400 without" in log
+
+
+def test_a_standing_decision_needs_a_clear_win_to_flip():
+    policy = measured({1: (0.0195, 0.010)}, acceptance=1.0)  # drafting 1.026x as fast: on
+    assert policy.drafts(1)
+    for _ in range(16):
+        policy.record(1, False, 0.0097, drafted=0, accepted=0)
+    assert policy.drafts(1)  # plain now 1.003x as fast: within the margin, drafting stays on
+    for _ in range(16):
+        policy.record(1, False, 0.0090, drafted=0, accepted=0)
+    assert not policy.drafts(1)  # plain 1.08x as fast

@@ -162,3 +162,16 @@ def test_policy_off_skips_the_mtp_layer(checkpoint):
         engine.model.mtp_forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
         assert not calls and engine.stats.spec_drafted == 0
+
+
+def test_auto_policy_turns_useless_drafts_off_and_says_why(checkpoint, capfd):
+    # The untrained MTP layer's drafts are rejected: after measuring both sides the policy stops them.
+    model = load_model(checkpoint)
+    prompts = PROMPTS * 2
+    expected = [generate(model, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp", max_num_seqs=1) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        policy = llm.engine.draft_policy
+    assert policy.acceptance is not None and policy.acceptance < 0.2
+    assert "moelaunch: MTP off at batch 1: " in capfd.readouterr().err
+    assert policy.buckets[1].pays is False

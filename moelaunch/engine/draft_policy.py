@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 WINDOW = 16  # step times kept per (bucket, drafting): the median of the last WINDOW is the figure
 MIN_STEPS = 8  # steps measured before a side's figure counts
 RECHECK_STEPS = 512  # decode steps in a bucket before the losing side is measured again
+# A decision changes only when the other side is this much faster: step times on a busy machine move
+# by more than their differences, and each switch-off ends the running sequences' drafts.
+HYSTERESIS = 0.05
 
 
 def batch_bucket(batch: int) -> int:
@@ -78,7 +81,10 @@ class DraftPolicy:
             return True  # measure drafting first
         if t_plain is None:
             return False
-        pays = (1 + acceptance) / t_draft > 1 / t_plain
+        gain = (1 + acceptance) * t_plain / t_draft  # tokens/s with drafts over tokens/s without
+        # Keep the standing decision unless the other side wins by HYSTERESIS.
+        threshold = {None: 1.0, True: 1 - HYSTERESIS, False: 1 + HYSTERESIS}[times.pays]
+        pays = gain > threshold
         if times.steps_since_check >= RECHECK_STEPS:
             times.steps_since_check = 0
             (times.plain if pays else times.draft).clear()  # measure the losing side anew
@@ -92,7 +98,8 @@ class DraftPolicy:
         with_drafts = batch * (1 + acceptance) / t_draft
         without = batch / t_plain
         bucket = batch_bucket(batch)
+        batches = f"{bucket}" if bucket == 1 else f"{bucket}-{2 * bucket - 1}"
         return (
-            f"moelaunch: MTP {'on' if pays else 'off'} at batch {bucket}-{2 * bucket - 1}: "
+            f"moelaunch: MTP {'on' if pays else 'off'} at batch {batches}: "
             f"{with_drafts:,.0f} tok/s with drafts (acceptance {acceptance:.2f}) vs {without:,.0f} without"
         )

@@ -431,7 +431,7 @@ class LLMEngine:
             plan.remove(chunk)
             self._finish(chunk.seq, ERROR)
             updates.append(SeqUpdate(chunk.seq.seq_id, None, None, None, ERROR, failed[chunk.seq.seq_id]))
-        drafted, accepted = self.drafted, self.accepted
+        drafted, accepted, kind = self.drafted, self.accepted, self._timed_kind(plan)
         results = self.runner.step(plan)
         for chunk in plan:
             if not chunk.samples:
@@ -443,7 +443,7 @@ class LLMEngine:
                 seq_updates[-1].kv_blocks = self._finish(chunk.seq, seq_updates[-1].finish_reason)
         if self.load is not None:
             self._after_step(command.read_load)
-        self._last_step = self._timed_kind(plan, self.drafted - drafted, self.accepted - accepted)
+        self._last_step = kind and (*kind, self.drafted - drafted, self.accepted - accepted)
         return self._gather(updates)
 
     def _set_drafts(self, drafts: bool) -> None:
@@ -457,14 +457,14 @@ class LLMEngine:
                 seq.draft = []
 
     @staticmethod
-    def _timed_kind(plan: list[ScheduledChunk], drafted: int, accepted: int):
-        """(batch, drafting, drafted, accepted) of a decode-only step in which every sequence drafts or
-        none does: the steps the draft policy compares; None for the others."""
+    def _timed_kind(plan: list[ScheduledChunk]) -> tuple[int, bool] | None:
+        """Before the step: (batch, drafting) of a decode-only plan in which every sequence drafts or
+        none does, the steps the draft policy compares; None for the others."""
         decode = plan and all(c.samples and c.length == 1 + len(c.draft) for c in plan)
         kinds = {c.seq.drafts for c in plan}
         if not decode or len(kinds) != 1:
             return None
-        return len(plan), kinds.pop(), drafted, accepted
+        return len(plan), kinds.pop()
 
     # ---- routed load and expert placement (every rank, at the same step) ----
     def _after_step(self, read: bool) -> None:
