@@ -3,7 +3,7 @@ batch size, explores the side it has not measured, re-measures the loser, and lo
 
 from __future__ import annotations
 
-from moelaunch.engine.draft_policy import MIN_STEPS, RECHECK_STEPS, DraftPolicy, batch_bucket
+from moelaunch.engine.draft_policy import MIN_DRAFTED, MIN_STEPS, RECHECK_STEPS, DraftPolicy, batch_bucket
 
 
 def measured(steps: dict[int, tuple[float, float]], acceptance: float) -> DraftPolicy:
@@ -38,6 +38,9 @@ def test_unmeasured_sides_are_explored_drafting_first():
     policy = DraftPolicy()
     assert policy.drafts(4)  # nothing measured: draft
     for _ in range(MIN_STEPS):
+        policy.record(4, True, 0.02, drafted=4, accepted=4)
+    assert policy.drafts(4)  # too few draft tokens verified to know the acceptance yet
+    while sum(policy.drafted) < MIN_DRAFTED:
         policy.record(4, True, 0.02, drafted=4, accepted=4)
     assert not policy.drafts(4)  # drafting measured: measure plain
     assert policy.drafts(1)  # another bucket starts over
