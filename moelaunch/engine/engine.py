@@ -178,7 +178,7 @@ class LLMEngine:
         self.drafted = self.accepted = 0
         auto = use_mtp and self.config.speculative_policy == "auto"
         self.draft_policy = DraftPolicy() if auto and mesh.rank == 0 else None
-        self._last_step: tuple[int, bool | None, int, int] | None = None  # rank 0: for the policy
+        self._last_step: tuple[int, bool, int, int] | None = None  # rank 0: (batch, drafting, drafted, kept)
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
         self.seqs: dict[int, Sequence] = {}
         # Front-end state, meaningful on rank 0 only.
