@@ -26,6 +26,10 @@ def checkpoint(tmp_path_factory):
     return str(add_mtp_layer(add_byte_tokenizer(path)))
 
 
+def mtp(speculative: str | None) -> dict:
+    return {"speculative": speculative, "speculative_policy": "always"} if speculative else {}
+
+
 def outputs(llm: LLM) -> list[list[int]]:
     greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     return greedy + [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], SAMPLED)]
@@ -33,10 +37,11 @@ def outputs(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def single(checkpoint):
-    """One process's outputs, without and with MTP (sampling with drafts draws differently)."""
+    """One process's outputs, without and with MTP (sampling with drafts draws differently, so MTP
+    drafts on every step here: the auto policy's timing-driven choices would move the draws)."""
     results = {}
     for speculative in (None, "mtp"):
-        with LLM(checkpoint, kv_cache_memory=4_000_000, speculative=speculative) as llm:
+        with LLM(checkpoint, kv_cache_memory=4_000_000, **mtp(speculative)) as llm:
             results[speculative] = outputs(llm)
     return results
 
@@ -44,8 +49,8 @@ def single(checkpoint):
 @pytest.mark.parametrize(
     "layout, options",
     [
-        (dict(tp=2), dict(TIGHT, speculative="mtp")),  # preemption, prefix reuse and MTP, heads split
-        (dict(dp=2), dict(speculative="mtp", kv_cache_memory=4_000_000, block_size=4)),  # EP over 2 replicas
+        (dict(tp=2), dict(TIGHT, **mtp("mtp"))),  # preemption, prefix reuse and MTP, heads split
+        (dict(dp=2), dict(mtp("mtp"), kv_cache_memory=4_000_000, block_size=4)),  # EP over 2 replicas
         (dict(pp=2), dict(TIGHT)),  # two stages, two micro-batches in flight
     ],
 )
@@ -58,6 +63,19 @@ def test_multiprocess_engine_matches_one_process(checkpoint, single, layout, opt
             assert engine.stats.spec_drafted > 0
         if options["kv_cache_memory"] == TIGHT["kv_cache_memory"]:
             assert engine.scheduler.preemptions > 0
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(dp=2)], ids=["tp2", "dp2"])
+def test_draft_policy_switches_keep_greedy_tokens(checkpoint, single, layout):
+    """Rank 0's draft decisions (scripted: on, off, on again) reach every rank with the step: a replica's
+    ranks drop and take up drafts together (at dp=2 the MTP layer's experts are exchanged between the
+    replicas on every step, drafting or not). The greedy tokens stay plain decoding's."""
+    with LLM(checkpoint, **layout, kv_cache_memory=4_000_000, speculative="mtp", max_num_seqs=2) as llm:
+        steps = []
+        llm.engine.draft_policy.drafts = lambda batch: steps.append(batch) or not 3 <= len(steps) < 8
+        greedy = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        assert greedy == single[None][: len(PROMPTS)]
+        assert llm.engine.stats.spec_drafted > 0 and len(steps) > 16  # a sequence started after step 8
 
 
 def test_static_decode_at_tp2_has_no_sync(checkpoint, single, monkeypatch):

@@ -25,26 +25,32 @@ def checkpoint(tmp_path_factory):
     return str(add_mtp_layer(add_byte_tokenizer(path)))
 
 
+def oracle_drafts(runner, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """Make every other draft of the runner the true next-next token (the random MTP layer's are
+    rejected), so that verification keeps some."""
+    real_draft = runner._draft
+    truth = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}
+
+    def oracle(chunks, hidden, results):
+        real_draft(chunks, hidden, results)
+        for c, _ in chunks:
+            r = results.get(c.seq.seq_id)
+            at = len(c.seq.output) + len(r.tokens) if r else 0
+            ref = truth[tuple(c.seq.prompt)]
+            if r and at < len(ref) and at % 2 == 0:
+                r.draft = [ref[at]]
+
+    runner._draft = oracle
+
+
 def test_mtp_greedy_output_equals_plain_greedy_with_real_and_oracle_drafts(checkpoint):
     model = load_model(checkpoint)
     expected = [generate(model, p, GREEDY.max_tokens) for p in PROMPTS]
-    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp") as llm:
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp", speculative_policy="always") as llm:
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
         # Now make every other draft the true next-next token, so both verify branches run.
-        runner, engine = llm.engine.runner, llm.engine
-        real_draft = runner._draft
-        truth = {tuple(p): e for p, e in zip(PROMPTS, expected, strict=True)}
-
-        def oracle(chunks, spans, hidden, results):
-            real_draft(chunks, spans, hidden, results)
-            for c in chunks:
-                r = results.get(c.seq.seq_id)
-                at = len(c.seq.output) + len(r.tokens) if r else 0
-                ref = truth[tuple(c.seq.prompt)]
-                if r and at < len(ref) and at % 2 == 0:
-                    r.draft = [ref[at]]
-
-        runner._draft = oracle
+        oracle_drafts(llm.engine.runner, PROMPTS, expected)
+        engine = llm.engine
         before = engine.stats.spec_accepted
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
         assert engine.stats.spec_accepted - before >= 10
@@ -82,3 +88,90 @@ def test_mtp_needs_mtp_weights(tmp_path):
     path = add_byte_tokenizer(make_hf_model(tmp_path, "v3"))
     with pytest.raises(ValueError, match="has no MTP weights"):
         LLM(str(path), kv_cache_memory=1_000_000, speculative="mtp")
+
+
+class ScriptedPolicy:
+    """Stands in for rank 0's DraftPolicy: its decision at step i is script(i); records nothing."""
+
+    def __init__(self, script):
+        self.script, self.steps = script, 0
+
+    def drafts(self, batch: int) -> bool:
+        self.steps += 1
+        return self.script(self.steps - 1)
+
+    def record(self, *measured) -> None:
+        pass
+
+
+def watch_plans(engine) -> list[list[tuple[int, bool, int]]]:
+    """Every step's plan as (seq_id, drafts, draft tokens verified) per chunk."""
+    plans, step = [], engine.runner.step
+
+    def recording(plan):
+        plans.append([(c.seq.seq_id, c.seq.drafts, len(c.draft)) for c in plan])
+        return step(plan)
+
+    engine.runner.step = recording
+    return plans
+
+
+def run_switching(checkpoint, script) -> tuple[dict[int, list[bool]], list, object]:
+    """8 sequences, 3 at a time, under a scripted policy, with oracle drafts: greedy tokens must be plain
+    decoding's. Returns each sequence's drafts flag per step, the plans, and the engine."""
+    model = load_model(checkpoint)
+    prompts = PROMPTS * 2
+    expected = [generate(model, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp", max_num_seqs=3) as llm:
+        engine = llm.engine
+        engine.draft_policy = ScriptedPolicy(script)
+        oracle_drafts(engine.runner, prompts, expected)
+        plans = watch_plans(engine)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    flags: dict[int, list[bool]] = {}
+    for plan in plans:
+        for seq_id, drafts, _ in plan:
+            flags.setdefault(seq_id, []).append(drafts)
+    assert all(f == sorted(f, reverse=True) for f in flags.values())  # once off, off for good
+    return flags, plans, engine
+
+
+def test_policy_switches_keep_greedy_tokens_and_the_metrics(checkpoint):
+    # On for the first 3 sequences, off after 5 steps (they stop drafting while running), so the next 3
+    # start without drafts; on again when the last 2 arrive (they draft).
+    flags, plans, engine = run_switching(checkpoint, lambda i: i < 5 or i >= 24)
+    first = [f for _, f in sorted(flags.items())]
+    assert all(f[0] and not f[-1] for f in first[:3])
+    assert not any(any(f) for f in first[3:6]) and all(all(f) for f in first[6:])
+    # The metrics count exactly the draft tokens the steps verified.
+    assert engine.stats.spec_drafted == sum(n for plan in plans for _, _, n in plan) > 0
+    assert 0 < engine.stats.spec_accepted <= engine.stats.spec_drafted
+
+
+def test_policy_switching_every_few_steps_keeps_greedy_tokens(checkpoint):
+    run_switching(checkpoint, lambda i: i % 3 != 2)
+
+
+def test_policy_off_skips_the_mtp_layer(checkpoint):
+    model = load_model(checkpoint)
+    expected = [generate(model, p, GREEDY.max_tokens) for p in PROMPTS]
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp") as llm:
+        engine = llm.engine
+        engine.draft_policy = ScriptedPolicy(lambda i: False)
+        calls, forward = [], engine.model.mtp_forward
+        engine.model.mtp_forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+        assert not calls and engine.stats.spec_drafted == 0
+
+
+def test_auto_policy_turns_useless_drafts_off_and_says_why(checkpoint, capfd):
+    # The untrained MTP layer's drafts are rejected: after measuring both sides the policy stops them.
+    model = load_model(checkpoint)
+    prompts = PROMPTS * 2
+    expected = [generate(model, p, GREEDY.max_tokens) for p in prompts]
+    with LLM(checkpoint, kv_cache_memory=4_000_000, speculative="mtp", max_num_seqs=1) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+        policy = llm.engine.draft_policy
+    assert policy.acceptance is not None and policy.acceptance < 0.2
+    assert "moelaunch: MTP off at batch 1: " in capfd.readouterr().err
+    assert policy.buckets[1].pays is False

@@ -96,6 +96,11 @@ class EngineConfig(BaseModel):
     speculative: Literal["mtp"] | None = Field(
         None, description="mtp: draft with the checkpoint's MTP layer, verify in the next step"
     )
+    speculative_policy: Literal["auto", "always"] = Field(
+        "auto",
+        description="with speculative='mtp': auto drafts only where measured step times and acceptance "
+        "say it pays at the running batch size (the reason logged on each change); always: every step",
+    )
     allow_special_tokens_in_content: bool = Field(
         False,
         description="read special-token markup inside chat message content (<｜Assistant｜>) as control "

@@ -16,6 +16,7 @@ import torch
 
 from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
+from moelaunch.engine.draft_policy import DraftPolicy
 from moelaunch.engine.eplb import apply_placements, check_eplb, rebalanced, redundant_expert_bytes
 from moelaunch.engine.kv_handoff import CacheEndpoint, KVHandoff
 from moelaunch.engine.kv_peer import KVPeer
@@ -69,6 +70,9 @@ class StepCommand:
     read_load: bool = False  # after the step (or instead, with keepalive), sum the routed load for rank 0
     # Before the step, move these MoE layers' experts: {layer id: owner ranks per expert}.
     placements: dict[str, list[list[int]]] | None = None
+    # Rank 0's draft policy (speculative_policy auto): False stops every sequence's drafts, sequences
+    # not started yet draft or not as it says (_set_drafts); None: no policy (every MTP sequence drafts).
+    drafts: bool | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> StepCommand:
@@ -82,6 +86,7 @@ class StepCommand:
             d["keepalive"],
             d["read_load"],
             d["placements"],
+            d["drafts"],
         )
 
     def to_dict(self) -> dict:
@@ -171,6 +176,9 @@ class LLMEngine:
         self.rebalances = 0  # expert placements applied since the start (eplb or set_expert_placement)
         # This replica's draft tokens so far, and how many were kept: EngineStats.spec_* sums them.
         self.drafted = self.accepted = 0
+        auto = use_mtp and self.config.speculative_policy == "auto"
+        self.draft_policy = DraftPolicy() if auto and mesh.rank == 0 else None
+        self._last_step: tuple[int, bool, int, int] | None = None  # rank 0: (batch, drafting, drafted, kept)
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
         self.seqs: dict[int, Sequence] = {}
         # Front-end state, meaningful on rank 0 only.
@@ -334,11 +342,19 @@ class LLMEngine:
         """One engine step on every rank; returns the requests that progressed (rank 0)."""
         self._expire_handoffs()
         command, self._pending = self._pending, StepCommand()
+        policy = self.draft_policy
+        if policy is not None:
+            # The batch this step will run: rank 0's replica stands for all (they see alike loads).
+            batch = min(len(self.seqs) + len(command.new), self.config.max_num_seqs)
+            command.drafts = policy.drafts(max(batch, 1))
         # Rank 0 reads the routed load every window steps, so /metrics is at most a window old.
         load = self.load
         command.read_load |= load is not None and (load.counts.steps + 1) % load.counts.window == 0
         self._broadcast(command)
+        start = time.perf_counter()
         updates = self._execute(command)
+        if policy is not None and self._last_step is not None:
+            policy.record(*self._last_step[:2], time.perf_counter() - start, *self._last_step[2:])
         return self._apply(updates)
 
     def shutdown(self) -> None:
@@ -407,12 +423,15 @@ class LLMEngine:
             self.blocks.release(self.held.pop(request_id, []))
         for endpoint in command.kv_connect:
             self.kv.connect(CacheEndpoint.from_dict(endpoint))
+        if command.drafts is not None:
+            self._set_drafts(command.drafts)
         plan = self.scheduler.schedule()
         failed = self._read_prefilled()
         for chunk in [c for c in plan if c.seq.seq_id in failed]:
             plan.remove(chunk)
             self._finish(chunk.seq, ERROR)
             updates.append(SeqUpdate(chunk.seq.seq_id, None, None, None, ERROR, failed[chunk.seq.seq_id]))
+        drafted, accepted, kind = self.drafted, self.accepted, self._timed_kind(plan)
         results = self.runner.step(plan)
         for chunk in plan:
             if not chunk.samples:
@@ -424,7 +443,28 @@ class LLMEngine:
                 seq_updates[-1].kv_blocks = self._finish(chunk.seq, seq_updates[-1].finish_reason)
         if self.load is not None:
             self._after_step(command.read_load)
+        self._last_step = kind and (*kind, self.drafted - drafted, self.accepted - accepted)
         return self._gather(updates)
+
+    def _set_drafts(self, drafts: bool) -> None:
+        """The draft policy's decision: sequences with nothing cached yet (new or preempted) take it;
+        running ones can only stop drafting (the MTP layer's cache of a sequence that skipped it has
+        holes, engine/draft_policy.py)."""
+        for seq in self.seqs.values():
+            if seq.num_computed == 0 or not drafts:
+                seq.drafts = drafts
+            if not seq.drafts:
+                seq.draft = []
+
+    @staticmethod
+    def _timed_kind(plan: list[ScheduledChunk]) -> tuple[int, bool] | None:
+        """Before the step: (batch, drafting) of a decode-only plan in which every sequence drafts or
+        none does, the steps the draft policy compares; None for the others."""
+        decode = plan and all(c.samples and c.length == 1 + len(c.draft) for c in plan)
+        kinds = {c.seq.drafts for c in plan}
+        if not decode or len(kinds) != 1:
+            return None
+        return len(plan), kinds.pop()
 
     # ---- routed load and expert placement (every rank, at the same step) ----
     def _after_step(self, read: bool) -> None:

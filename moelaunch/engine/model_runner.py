@@ -19,6 +19,7 @@ from moelaunch.engine.scheduler import ScheduledChunk
 from moelaunch.engine.static_decode import GREEDY, LOGITS, LOGPROBS, SAMPLED, StaticDecode
 from moelaunch.model.batch import BatchLayout, SeqSpan
 from moelaunch.model.kv_cache import PagedLatentCache
+from moelaunch.model.moe import MoE
 from moelaunch.model.transformer import Transformer
 from moelaunch.parallel.mesh import ParallelMesh
 from moelaunch.text.tokenizer import Tokenizer
@@ -53,6 +54,11 @@ class ModelRunner:
         self.dtype = model.compute_dtype()
         self.sampler = Sampler(tokenizer, model.args.vocab_size, eos_id)
         self.static = static  # the static decode step, for decode-only micro-batches it takes
+        # The MTP layer's MoE exchanges rows with other replicas' ranks (expert all-to-all): then every
+        # rank runs it each step, drafting or not; otherwise a step with no drafting sequence skips it.
+        self.mtp_always = any(
+            not layer.mlp.routes_on_device for layer in model.mtp if isinstance(layer.mlp, MoE)
+        )
 
     @torch.inference_mode()
     def step(self, plan: list[ScheduledChunk]) -> dict[int, StepResult]:
@@ -102,7 +108,9 @@ class ModelRunner:
         for (c, _), sampled in zip(sampling, tokens, strict=True):
             results[c.seq.seq_id] = StepResult(sampled)
         if self.use_mtp:
-            self._draft(chunks, spans, hidden, results)
+            drafting = [(c, s) for c, s in zip(chunks, spans, strict=True) if c.seq.drafts]
+            if drafting or self.mtp_always:
+                self._draft(drafting, hidden, results)
 
     def _static_step(self, chunks: list[ScheduledChunk], results: dict[int, StepResult]) -> None:
         """A decode-only micro-batch through the static step, which samples inside itself; a batch
@@ -125,12 +133,11 @@ class ModelRunner:
         for (_, c), sampled in zip(sampling, tokens, strict=True):
             results[c.seq.seq_id] = StepResult(sampled)
 
-    def _draft(self, chunks: list[ScheduledChunk], spans: list[SeqSpan], hidden, results) -> None:
-        """MTP over each chunk's valid positions (next token known); the last one's argmax is the draft.
-
-        Runs on every rank even with no rows: the MTP layer's MoE joins the expert all-to-all."""
+    def _draft(self, chunks: list[tuple[ScheduledChunk, SeqSpan]], hidden, results) -> None:
+        """MTP over each drafting chunk's valid positions (next token known); the last one's argmax is
+        the draft. Only the drafting rows go through the head."""
         rows, next_ids, mtp_spans, drafting = [], [], [], []
-        for c, s in zip(chunks, spans, strict=True):
+        for c, s in chunks:
             result = results.get(c.seq.seq_id)
             kept = len(result.tokens) - 1 if result else 0
             valid = c.length - len(c.draft) + kept
@@ -142,14 +149,15 @@ class ModelRunner:
             if result:
                 drafting.append((c.seq.seq_id, len(rows) - 1))
         device = self.mesh.device
-        layout = BatchLayout.build(mtp_spans, self.cache, [c.seq.block_ids for c in chunks], device)
+        layout = BatchLayout.build(mtp_spans, self.cache, [c.seq.block_ids for c, _ in chunks], device)
         index = torch.tensor(rows, dtype=torch.long, device=device)
+        heads = torch.tensor([row for _, row in drafting], dtype=torch.long, device=device)
         logits = self.model.mtp_forward(
-            hidden[index], torch.tensor(next_ids, dtype=torch.long, device=device), layout
+            hidden[index], torch.tensor(next_ids, dtype=torch.long, device=device), layout, heads
         )
         best = logits.argmax(dim=-1).tolist()
-        for seq_id, row in drafting:
-            results[seq_id].draft = [best[row]]
+        for (seq_id, _), token in zip(drafting, best, strict=True):
+            results[seq_id].draft = [token]
 
     def _share(self, plan: list[ScheduledChunk], results: dict[int, StepResult]) -> dict[int, StepResult]:
         """Broadcast the last stage's results to the whole replica (every rank must update alike)."""

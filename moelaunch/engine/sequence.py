@@ -31,6 +31,9 @@ class Sequence:
     num_computed: int = 0  # tokens whose latents are in the cache
     finish_reason: str | None = None
     draft: list[int] = field(default_factory=list)  # MTP's guess of the tokens after the last one
+    # Whether the MTP layer runs over this sequence (its cache then has every position) and it drafts;
+    # once off, off for its lifetime (engine/draft_policy.py).
+    drafts: bool = True
     constraints: SequenceConstraints | None = None  # bad words and grammar, made by the sampler
     handoff: KVHandoff | None = None  # a prompt another engine prefilled: its latents are read, not computed
 

@@ -128,13 +128,21 @@ class Transformer(nn.Module):
         """fp32 logits from final-normed hidden states."""
         return self.lm_head(hidden).float()
 
-    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, layout: BatchLayout, depth: int = 0):
-        """MTP logits [N, vocab] for token i+2 from hidden [N, dim] (position i) and next_ids [N] (i+1)."""
+    def mtp_forward(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        layout: BatchLayout,
+        rows: torch.Tensor | None = None,
+        depth: int = 0,
+    ):
+        """MTP logits [N, vocab] for token i+2 from hidden [N, dim] (position i) and next_ids [N] (i+1);
+        with `rows`, only those rows' logits (every row still fills the MTP layer's cache)."""
         layer = self.mtp[depth]
         e = layer.enorm(self.embed(next_ids))
         x = layer.eh_proj(torch.cat([e, layer.hnorm(hidden)], dim=-1))
         x = layer(x, self.rope, self.rope.cos_sin(layout.positions), layout, self.attn_impl)
-        return self.head(layer.shared_head.norm(x))
+        return self.head(layer.shared_head.norm(x if rows is None else x[rows]))
 
     # -- the rectangular API: input_ids [B, T], all sequences at the same positions --
     def layer_ids(self) -> list[int]:
@@ -212,7 +220,7 @@ class Transformer(nn.Module):
         """Logits [B, T, vocab] for token i+2 from `hidden` (main model, position i) and `next_ids` (i+1)."""
         b, t = next_ids.shape
         layout = BatchLayout.rectangle(b, t, start_pos, cache, next_ids.device)
-        logits = self.mtp_forward(hidden.reshape(b * t, -1), next_ids.flatten(), layout, depth)
+        logits = self.mtp_forward(hidden.reshape(b * t, -1), next_ids.flatten(), layout, depth=depth)
         return logits.view(b, t, -1)
 
 
