@@ -52,7 +52,13 @@ def run_vllm(
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
-                env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"},
+                env={
+                    **os.environ,
+                    "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
+                    # vLLM finds its CPU platform from its distribution's version ("+cpu"), which a venv
+                    # given a plain "vllm" dist-info for its CLI (RECIPES) no longer says: name it.
+                    "VLLM_TARGET_DEVICE": "cpu",
+                },
             )
         except subprocess.TimeoutExpired:
             raise PeerFailed(f"vLLM did not finish within {timeout_s:.0f} s") from None
