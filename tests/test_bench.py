@@ -137,7 +137,10 @@ def test_both_dtypes_run_every_system_in_that_dtype(bench_model, tmp_path, capsy
     specs.mkdir()
     fake = tmp_path / "venv" / "bin" / "python"  # records the spec vLLM would get, then fails
     fake.parent.mkdir(parents=True)
-    fake.write_text(f'#!/bin/sh\ncp "$2" "{specs}/$(ls {specs} | wc -l).json"\nexit 3\n')
+    # (and the platform it names: a venv whose vllm dist-info lacks "+cpu" finds none otherwise)
+    device = tmp_path / "device"
+    record = f'echo "$VLLM_TARGET_DEVICE" > {device}\ncp "$2" "{specs}/$(ls {specs} | wc -l).json"'
+    fake.write_text(f"#!/bin/sh\n{record}\nexit 3\n")
     fake.chmod(0o755)
     argv = ["bench", "--model", str(bench_model), "--workload", "latency", "--batch-sizes", "1"]
     argv += ["--input-len", "8", "--output-len", "2", "--compare", "--vllm-venv", str(fake.parent.parent)]
@@ -149,6 +152,7 @@ def test_both_dtypes_run_every_system_in_that_dtype(bench_model, tmp_path, capsy
         assert run["systems"]["moelaunch"]["dtype"] == run["systems"]["transformers"]["dtype"] == dtype
         assert set(run["results"]) == {"moelaunch", "transformers"}
         assert "exited with code 3" in run["systems"]["vllm"]["error"]
+    assert device.read_text().strip() == "cpu"
     sent = [json.loads((specs / f"{i}.json").read_text()) for i in range(2)]
     asked = [(s["dtype"], s["attention_backend"]) for s in sent]
     assert asked == [("float32", "CPU_MLA"), ("bfloat16", None)]
