@@ -8,9 +8,10 @@ so accuracy is reported per form; training draws wordings and modifiers at rando
 from __future__ import annotations
 
 import random
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from moelaunch.tasks.words import any_word
 
 # The first wording of each kind is the canonical one ("plain"); the others are reworded forms.
 WORDINGS: dict[str, tuple[str, ...]] = {
@@ -180,17 +181,13 @@ def _off_topic(rng: random.Random) -> str:
     return rng.choice(OFF_TOPIC)
 
 
-def _made_up_word(rng: random.Random) -> str:
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 9)))
-
-
 def _fields(rng: random.Random, values: dict[str, object]) -> dict[str, object]:
     fields = dict(values)
     if "numbers" in values:
         numbers = [str(n) for n in values["numbers"]]  # type: ignore[attr-defined]
         fields.update(ns=" ".join(numbers), nc=", ".join(numbers), nk=",".join(numbers))
     # Off-topic wordings name made-up words.
-    word, word2 = _made_up_word(rng), _made_up_word(rng)
+    word, word2 = any_word(rng, rng.randint(2, 9)), any_word(rng, rng.randint(2, 9))
     fields.update(w=fields.get("w", word), W=word.capitalize(), w2=word2)
     fields.setdefault("a", rng.randint(0, 99))
     fields.setdefault("b", rng.randint(1, 99))

@@ -11,18 +11,17 @@ as DeepSeek-R1 writes one (`<think>steps</think>answer`; the *_steps functions b
 from __future__ import annotations
 
 import random
-import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from moelaunch.tasks.phrasing import Form, phrase
+from moelaunch.tasks.words import LETTERS, any_word
 from moelaunch.text.reasoning import with_reasoning
 
 MAX_DIGITS = 3
 MAX_WORD = 12
 SORT_SIZES = (2, 8)
 MAX_COUNT = 4
-LETTERS = string.ascii_lowercase
 OUT_OF_SCOPE = "I can add, subtract, reverse, sort and count letters."
 
 
@@ -58,10 +57,6 @@ def _cased(rng: random.Random, word: str) -> str:
     if style < 0.8:
         return word.upper()
     return "".join(c.upper() if rng.random() < 0.5 else c for c in word)
-
-
-def _letters(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(LETTERS) for _ in range(n))
 
 
 def _digits_lsb_first(n: int, width: int) -> str:
@@ -109,7 +104,7 @@ def _sub(rng: random.Random, form: Form) -> Problem:
 
 
 def _reverse(rng: random.Random, form: Form) -> Problem:
-    word = _cased(rng, _letters(rng, rng.randint(1, MAX_WORD)))
+    word = _cased(rng, any_word(rng, rng.randint(1, MAX_WORD)))
     return Problem("reverse", form.name, phrase(rng, form, "reverse", w=word), word[::-1])
 
 
