@@ -11,12 +11,15 @@ import random
 from collections.abc import Iterator
 from functools import cache
 
+from moelaunch.tasks.english_words import ENGLISH_WORDS
 from moelaunch.tasks.phrasing import FORMS, mixed_form
-from moelaunch.tasks.tasks import KINDS, Problem
+from moelaunch.tasks.tasks import KINDS, Problem, count_problem, reverse_problem
+from moelaunch.tasks.words import LETTERS
 
 HELD_OUT_SIZE = 1000
 HELD_OUT_SEED = 20260421
 MULTI_TURN_SEED = 20260422
+ENGLISH_SEED = 20261205
 MAX_TURNS = 6
 Conversation = tuple[Problem, ...]
 # How often training draws each kind. Sorting, the one hard skill answered without worked steps, gets
@@ -105,6 +108,22 @@ def training_conversations(
                 p = rng.choices(makers, weights)[0](rng, mixed_form(rng))
             turns.append(p)
         yield tuple(turns)
+
+
+@cache
+def english_problems() -> tuple[Problem, ...]:
+    """Each real English word reversed and counted: forms and casings (lower, Capitalised, UPPER) in
+    rotation; the counted letter is in the word for every other word, absent from it otherwise."""
+    rng = random.Random(ENGLISH_SEED)
+    forms = list(FORMS.values())
+    problems: list[Problem] = []
+    for i, word in enumerate(ENGLISH_WORDS):
+        typed = (word, word.capitalize(), word.upper())[(i // len(forms)) % 3]
+        problems.append(reverse_problem(rng, forms[i % len(forms)], typed))
+        absent = [c for c in LETTERS if c not in word]
+        letter = word[i % len(word)] if i % 2 == 0 else absent[i % len(absent)]
+        problems.append(count_problem(rng, forms[(i + 3) % len(forms)], typed, letter))
+    return tuple(problems)
 
 
 def messages(conversation: Conversation, answers: list[str] | None = None) -> list[dict[str, str]]:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from moelaunch.tasks.phrasing import Form, phrase
-from moelaunch.tasks.words import LETTERS, any_word
+from moelaunch.tasks.words import LETTERS, any_word, word_like
 from moelaunch.text.reasoning import with_reasoning
 
 MAX_DIGITS = 3
@@ -47,7 +47,7 @@ def _number(rng: random.Random) -> int:
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
 
 
-def _cased(rng: random.Random, word: str) -> str:
+def cased(rng: random.Random, word: str) -> str:
     """A word as people type it: lower case, Capitalised, UPPER or MiXeD."""
     style = rng.random()
     if style < 0.4:
@@ -103,9 +103,19 @@ def _sub(rng: random.Random, form: Form) -> Problem:
     return Problem("sub", form.name, phrase(rng, form, "sub", a=a, b=b), str(a - b), subtraction_steps(a, b))
 
 
-def _reverse(rng: random.Random, form: Form) -> Problem:
-    word = _cased(rng, any_word(rng, rng.randint(1, MAX_WORD)))
+def reverse_problem(rng: random.Random, form: Form, word: str) -> Problem:
     return Problem("reverse", form.name, phrase(rng, form, "reverse", w=word), word[::-1])
+
+
+def count_problem(rng: random.Random, form: Form, word: str, letter: str) -> Problem:
+    """How many `letter` (lower case) in `word`, ignoring case."""
+    prompt = phrase(rng, form, "count", w=word, c=letter)
+    n = word.lower().count(letter)
+    return Problem("count", form.name, prompt, str(n), counting_steps(word, letter))
+
+
+def _reverse(rng: random.Random, form: Form) -> Problem:
+    return reverse_problem(rng, form, cased(rng, any_word(rng, rng.randint(1, MAX_WORD))))
 
 
 def _sort(rng: random.Random, form: Form) -> Problem:
@@ -115,8 +125,13 @@ def _sort(rng: random.Random, form: Form) -> Problem:
 
 
 def _count(rng: random.Random, form: Form) -> Problem:
-    # The count is drawn first (uniform) so that no single answer is a safe guess; the word may be
-    # capitalised, and counting ignores case.
+    if rng.random() < 0.5:
+        # An English-looking word, a letter mostly from it: counts of 0-2, as real words give.
+        word = word_like(rng, rng.randint(1, MAX_WORD))
+        letter = rng.choice(word) if rng.random() < 0.75 else rng.choice(LETTERS)
+        return count_problem(rng, form, cased(rng, word), letter)
+    # Random letters with the count drawn first (uniform) so that no single answer is a safe guess; the
+    # word may be capitalised, and counting ignores case.
     letter, n = rng.choice(LETTERS), rng.randint(0, MAX_COUNT)
     others = LETTERS.replace(letter, "")
     chars = [letter] * n + [rng.choice(others) for _ in range(rng.randint(max(n, 1), MAX_WORD) - n)]
@@ -124,8 +139,7 @@ def _count(rng: random.Random, form: Form) -> Problem:
     word = "".join(chars)
     if rng.random() < 0.25:
         word = word.capitalize()
-    prompt = phrase(rng, form, "count", w=word, c=letter)
-    return Problem("count", form.name, prompt, str(n), counting_steps(word, letter))
+    return count_problem(rng, form, word, letter)
 
 
 def _other(rng: random.Random, form: Form) -> Problem:

@@ -1,9 +1,11 @@
-"""`launch eval --model DIR [--n 1000] [--multi-turn]`: score a checkpoint of the bundled task family.
+"""`launch eval --model DIR [--n 1000] [--multi-turn | --english]`: score a checkpoint of the bundled task
+family.
 
 The held-out problems go through the engine, the path of `launch` and the API (greedy, MTP speculative
 decoding when the checkpoint has an MTP layer), all in one batch per turn. Reports exact match per skill,
 per form and per turn position (`--multi-turn`: conversations of 2-6 turns, each turn asked after the
-model's own earlier replies), expert load balance (max/mean tokens per expert, per MoE layer, over every
+model's own earlier replies; `--english`: reversing and counting real English words, which training
+never draws on purpose), expert load balance (max/mean tokens per expert, per MoE layer, over every
 token the engine ran, as the engine records it; `--expert-load-out FILE` writes those counts in the
 expert-load format `launch plan --expert-load` reads) and MTP draft acceptance. Arithmetic and counting
 are answered after a think section of worked steps; the report says how many of those steps were
@@ -20,7 +22,12 @@ from moelaunch.launcher.commands import count
 from moelaunch.launcher.jobs.output_path import check_writable
 from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, Answer, accuracy, ask, open_engine, tally
 from moelaunch.model.expert_load_file import write_expert_load
-from moelaunch.tasks.problem_sets import HELD_OUT_SIZE, conversations_sample, held_out_sample
+from moelaunch.tasks.problem_sets import (
+    HELD_OUT_SIZE,
+    conversations_sample,
+    english_problems,
+    held_out_sample,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,8 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--n", type=count, default=HELD_OUT_SIZE, help=f"held-out questions to score (1..{HELD_OUT_SIZE})"
     )
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--multi-turn", action="store_true", help="score conversations of 2-6 turns (about --n turns in all)"
+    )
+    which.add_argument(
+        "--english",
+        action="store_true",
+        help=f"score reversing and counting English words ({len(english_problems())} problems, at most --n)",
     )
     p.add_argument(
         "--expert-load-out",
@@ -78,9 +91,12 @@ def _print_reasoning(answers: list[Answer]) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.expert_load_out:
         check_writable(args.expert_load_out, "--expert-load-out")
-    conversations = (
-        conversations_sample(args.n) if args.multi_turn else [(p,) for p in held_out_sample(args.n)]
-    )
+    if args.multi_turn:
+        conversations = conversations_sample(args.n)
+    else:
+        conversations = [
+            (p,) for p in (english_problems()[: args.n] if args.english else held_out_sample(args.n))
+        ]
     llm = open_engine(args.model, record_load=True)
     start = time.time()
     try:
