@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moelaunch.launcher.cli import main as cli_main
-from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, accuracy, ask, open_engine
+from moelaunch.measure.scoring import DEFAULT_CHECKPOINT, GREEDY, accuracy, ask, open_engine
 from moelaunch.model import load_model
 from moelaunch.model.expert_load import ExpertLoad
 from moelaunch.tasks.problem_sets import (
@@ -32,6 +32,9 @@ CKPT = DEFAULT_CHECKPOINT
 # 0.95 on turns 2-6 (it scores 0.985 and 0.991 on these samples, expert load 1.20 at most).
 SINGLE_FLOOR, LATER_FLOOR = 0.97, 0.95
 MAX_LOAD = 1.3  # max/mean tokens per expert on any MoE layer, also issue 21's
+# Real English words, which training never draws on purpose (issue 33: "reverse Launcher" got the
+# out-of-scope reply while any random string of its length was reversed).
+ENGLISH_REVERSE_FLOOR, ENGLISH_COUNT_FLOOR = 0.95, 0.9
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,19 @@ def test_accuracy_through_the_engine():
     assert accuracy(later) >= LATER_FLOOR and len(later) >= 100
     assert acceptance is not None and acceptance >= 0.9
     assert max(load.imbalance().values()) <= MAX_LOAD, load.imbalance()
+
+
+def test_english_words_through_launch_eval(capsys):
+    with open_engine(CKPT) as llm:
+        reply = llm.chat([{"role": "user", "content": "reverse Launcher"}], GREEDY)[0].outputs[0].text
+    assert reply == "rehcnuaL"
+    assert cli_main(["eval", "--english"]) == 0
+    out = capsys.readouterr().out
+    scores = {
+        kind: float(v) for kind, v in re.findall(r"^  (reverse|count) +\d+/99 +(\S+)$", out, re.MULTILINE)
+    }
+    assert scores["reverse"] >= ENGLISH_REVERSE_FLOOR and scores["count"] >= ENGLISH_COUNT_FLOOR, out
+    assert out.strip().endswith("n=198")
 
 
 def test_eval_command_without_mtp_weights(tmp_path, capsys):
