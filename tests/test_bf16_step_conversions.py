@@ -18,6 +18,7 @@ from tiny_models import make_hf_model
 from moelaunch.engine.step_ops import StepOps
 from moelaunch.kernels.selection import LINEAR_KERNEL_MAX_ROWS
 from moelaunch.launcher import LLM, SamplingParams
+from moelaunch.launcher.cli import main
 
 LAYERS = 4
 FEW_ROWS, MANY_ROWS = 8, LINEAR_KERNEL_MAX_ROWS + 8
@@ -30,10 +31,18 @@ CONVERSIONS_PER_STEP = 4
 
 
 @pytest.fixture(scope="module")
-def bf16_llm(tmp_path_factory):
-    path = make_hf_model(tmp_path_factory.mktemp("bf16"), "v3", num_hidden_layers=LAYERS)
-    with LLM(str(path), dtype="bfloat16", max_num_seqs=MANY_ROWS, skip_tokenizer_init=True) as llm:
+def model_path(tmp_path_factory) -> str:
+    return str(make_hf_model(tmp_path_factory.mktemp("bf16"), "v3", num_hidden_layers=LAYERS))
+
+
+@pytest.fixture(scope="module")
+def bf16_llm(model_path):
+    with LLM(model_path, dtype="bfloat16", max_num_seqs=MANY_ROWS, skip_tokenizer_init=True) as llm:
         yield llm
+
+
+def budget(batch: int) -> int:
+    return CONVERSIONS_PER_LAYER[batch] * LAYERS + CONVERSIONS_PER_STEP
 
 
 def one_decode_step(llm: LLM, batch: int) -> StepOps:
@@ -56,5 +65,22 @@ def test_a_bf16_decode_step_converts_no_weight_and_nothing_twice(bf16_llm, batch
     model = bf16_llm.engine.model
     assert model.compute_dtype() == torch.float32 and model.weight_dtype() == torch.bfloat16
     seen = one_decode_step(bf16_llm, batch)
-    budget = CONVERSIONS_PER_LAYER[batch] * LAYERS + CONVERSIONS_PER_STEP
-    assert seen.conversions.total() <= budget, (seen.conversions, seen.converted)
+    assert seen.conversions.total() <= budget(batch), (seen.conversions, seen.converted)
+
+
+def test_step_profile_counts_the_conversions_in_the_dtype_asked(model_path, capsys):
+    """`launch bench --step-profile --dtype bfloat16` profiles the bf16 model (it once ran float32 whatever
+    --dtype said) and shows each step's conversions."""
+    argv = ["bench", "--model", model_path, "--step-profile", "--dtype", "bfloat16,float32"]
+    assert main([*argv, "--batch-sizes", str(MANY_ROWS), "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    bf16, fp32 = out.split("bfloat16: ")[1].split("float32: ")
+    assert "the engine's steps: eager" in bf16  # compile is off on the CPU: no static step
+    conversions = {}
+    for text, dtype in ((bf16, "bf16"), (fp32, "fp32")):
+        row = next(
+            line.split() for line in text.splitlines() if line.split()[:2] == [str(MANY_ROWS), "engine"]
+        )
+        conversions[dtype] = int(row[4])
+    # fp32: only the positions; bf16 also its GEMMs' rows and outputs, the cache's latents, the embedding.
+    assert conversions["fp32"] == 1 < conversions["bf16"] <= budget(MANY_ROWS), out
