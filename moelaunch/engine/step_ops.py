@@ -2,7 +2,9 @@
 sync with the host or give data-dependent shapes.
 
 `StepOps` is a TorchDispatchMode: it counts device ops (views and allocations without work excluded,
-as they launch nothing) and records syncs; with strict=True the first sync raises. The static decode
+as they launch nothing) and records syncs; with strict=True the first sync raises. Dtype conversions are
+counted too, with the elements they convert (`conversions`): `aten.to` is declared a view (it returns
+its input when there is nothing to convert), so without this a conversion would pass unseen. The static decode
 step runs under it strictly when MOELAUNCH_STRICT_DECODE=1 (the CI checks), and `launch bench
 --step-profile` prints its counts.
 
@@ -62,6 +64,20 @@ def _bool_index(func, args) -> bool:
     return any(i is not None and i.dtype == torch.bool for i in args[1])
 
 
+def _conversion(func, args, out) -> tuple[str, int] | None:
+    """("float32->bfloat16", elements) for an op that converts a tensor's dtype on the same device:
+    `aten.to` that made a copy, or a copy_ between dtypes."""
+    if func.overloadpacket is aten.copy_:
+        dst, src = args[0], args[1]
+    elif func.overloadpacket in (aten.to, aten._to_copy) and isinstance(out, torch.Tensor):
+        dst, src = out, args[0]
+    else:
+        return None
+    if src.dtype == dst.dtype or src.device != dst.device:
+        return None
+    return f"{str(src.dtype).removeprefix('torch.')}->{str(dst.dtype).removeprefix('torch.')}", src.numel()
+
+
 def _to_host(func, args, kwargs, out) -> bool:
     """A copy from an accelerator into CPU memory."""
     if func is aten.copy_.default:
@@ -72,13 +88,16 @@ def _to_host(func, args, kwargs, out) -> bool:
 
 
 class StepOps(TorchDispatchMode):
-    """Counts the ops dispatched while active: `ops` (Counter by op name), `syncs` (list of names)."""
+    """Counts the ops dispatched while active: `ops` (Counter by op name), `syncs` (list of names),
+    `conversions` (calls per "src->dst" dtype pair) and `converted` (elements per pair)."""
 
     def __init__(self, strict: bool = False) -> None:
         super().__init__()
         self.strict = strict
         self.ops: Counter[str] = Counter()
         self.syncs: list[str] = []
+        self.conversions: Counter[str] = Counter()
+        self.converted: Counter[str] = Counter()
 
     @property
     def total(self) -> int:
@@ -92,7 +111,11 @@ class StepOps(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _to_host(func, args, kwargs, out):
             self._sync(f"{name} to the host")
-        if not func.is_view and func not in NO_WORK:
+        converts = _conversion(func, args, out)
+        if converts is not None:
+            self.conversions[converts[0]] += 1
+            self.converted[converts[0]] += converts[1]
+        if (not func.is_view or converts is not None) and func not in NO_WORK:
             self.ops[name] += 1
         return out
 

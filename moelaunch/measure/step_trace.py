@@ -114,26 +114,41 @@ def decode_step_ops(llm: LLM, batch: int) -> tuple[StepOps, StepOps]:
 
 
 def print_step_profile(
-    model: str, batch_sizes: tuple[int, ...], threads: int, expert_load: bool = False
+    model: str,
+    batch_sizes: tuple[int, ...],
+    threads: int,
+    expert_load: bool = False,
+    dtypes: tuple[str, ...] = ("float32",),
 ) -> None:
-    """Device ops (aten ops and custom-op calls; views and bare allocations left out) and host syncs of
-    one decode engine step per batch size: the engine as configured, then the static step (expert_load:
-    with the engine recording routed load)."""
+    """Device ops (aten ops and custom-op calls; views and bare allocations left out), dtype conversions
+    and host syncs of one decode engine step per dtype and batch size: the engine as configured (with
+    whether it runs the static step), then the static step (expert_load: with the engine recording
+    routed load)."""
     torch.set_num_threads(threads)
     window = TOTAL_ONLY_WINDOW if expert_load else None
-    with LLM(
-        model, max_num_seqs=max(batch_sizes), skip_tokenizer_init=True, expert_load_window=window
-    ) as llm:
-        layers = len(llm.engine.model.layer_ids())
-        print(
-            f"ops per decode engine step ({layers} layers; syncs: ops that read values back or give "
-            "value-dependent shapes; .tolist()/.cpu() on CPU tensors are not seen)"
-        )
-        print(f"{'batch':>5}  {'step':<8}  {'ops':>6}  {'per layer':>9}  syncs")
-        for batch in batch_sizes:
-            for name, ops in zip(("engine", "static"), decode_step_ops(llm, batch), strict=True):
-                syncs = ", ".join(f"{n} x{c}" for n, c in Counter(ops.syncs).most_common()) or "0"
-                print(f"{batch:>5}  {name:<8}  {ops.total:>6}  {ops.total / layers:>9.1f}  {syncs}")
+    for dtype in dtypes:
+        with LLM(
+            model,
+            dtype=dtype,
+            max_num_seqs=max(batch_sizes),
+            skip_tokenizer_init=True,
+            expert_load_window=window,
+        ) as llm:
+            layers = len(llm.engine.model.layer_ids())
+            static = "static" if llm.engine.runner.static is not None else "eager"
+            print(
+                f"{dtype}: ops per decode engine step ({layers} layers; the engine's steps: {static}; conv: "
+                "dtype conversions; syncs: ops that read values back or give value-dependent shapes; "
+                ".tolist()/.cpu() on CPU tensors are not seen)"
+            )
+            print(f"{'batch':>5}  {'step':<8}  {'ops':>6}  {'per layer':>9}  {'conv':>5}  syncs")
+            for batch in batch_sizes:
+                for name, ops in zip(("engine", "static"), decode_step_ops(llm, batch), strict=True):
+                    syncs = ", ".join(f"{n} x{c}" for n, c in Counter(ops.syncs).most_common()) or "0"
+                    print(
+                        f"{batch:>5}  {name:<8}  {ops.total:>6}  {ops.total / layers:>9.1f}  "
+                        f"{ops.conversions.total():>5}  {syncs}"
+                    )
 
 
 def main() -> None:

@@ -72,6 +72,7 @@ class MLA(nn.Module):
         self.kv_b_proj = shard.column(args.kv_lora_rank, heads * (args.qk_nope_head_dim + args.v_head_dim))
         self.o_proj = shard.row(heads * args.v_head_dim, args.hidden_size)
         self._decode_heads = DecodeHeadWeights()
+        self._decode_einsum = DecodeHeadWeights(per_head_stacks=False)
         # Set by fuse_input_projections: q_a_proj and kv_a_proj_with_mqa as one product. In a tuple, so
         # it is no submodule: the checkpoint's names stay the model's only parameters.
         self._joint_a: tuple[Linear] | None = None
@@ -198,12 +199,12 @@ class MLA(nn.Module):
         held = self.kv_b_proj.weight
         w_uk, w_uv = self._absorbed_weights(held.dtype if self.kv_b_proj.is_plain() else q_nope.dtype)
         heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
-        if not heads_kernel and w_uk.dtype != q_nope.dtype:
-            w_uk, w_uv = w_uk.to(q_nope.dtype), w_uv.to(q_nope.dtype)
         if heads_kernel:
-            uk_t, uv = self._decode_heads.get(w_uk, w_uv, self.kv_b_proj.weight)
+            uk_t, uv = self._decode_heads.get(w_uk, w_uv, held, w_uk.dtype)
             q_latent = per_head_linear(q_nope, uk_t)
         else:
+            if w_uk.dtype != q_nope.dtype:  # kept in the rows' dtype, not converted on every step
+                w_uk, w_uv = self._decode_einsum.get(w_uk, w_uv, held, q_nope.dtype)
             q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
         out_latent = layout.cache.decode(
             layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale, decodes.rows_per_table

@@ -104,8 +104,10 @@ class BatchLayout:
         block_tables: list[list[int]] | None = None,
         device: torch.device | str = "cpu",
     ) -> BatchLayout:
-        pos = [torch.arange(s.start_pos, s.end_pos) for s in spans]
-        positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
+        if all(s.length == 1 for s in spans):  # decodes (or none): one op, not an arange per sequence
+            positions = torch.tensor([s.start_pos for s in spans], dtype=torch.long)
+        else:
+            positions = torch.cat([torch.arange(s.start_pos, s.end_pos) for s in spans])
         if cache is None:
             return cls(spans, positions.to(device))
         width = max((len(row) for row in block_tables), default=1)

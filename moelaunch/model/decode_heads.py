@@ -30,21 +30,31 @@ def per_head_linear(x: Tensor, stack: Tensor) -> Tensor:
 
 
 class DecodeHeadWeights:
-    """W_UK^T [H, C, nope] and W_UV [H, v, C] as contiguous stacks for `per_head_linear`, made once per
-    dtype from kv_b_proj's weight (and again only if that weight is replaced): a copy of kv_b's size."""
+    """W_UK and W_UV [H, *, C] in the form a decode path reads them, made once per dtype from kv_b_proj's
+    weight (and again only if that weight is replaced): a copy of kv_b's size, in that dtype.
 
-    def __init__(self) -> None:
+    per_head_stacks: W_UK^T [H, C, nope] and W_UV [H, v, C] as contiguous stacks for `per_head_linear`;
+    else both as sliced from kv_b ([H, nope, C], [H, v, C]) for the einsums of the many-row path, whose
+    fp32 rows under bf16 weights (the CPU's bf16) would otherwise convert both on every step."""
+
+    def __init__(self, per_head_stacks: bool = True) -> None:
+        self.per_head_stacks = per_head_stacks
         self._key: tuple[torch.dtype, int] | None = None
         self._stacks: tuple[Tensor, Tensor] | None = None
 
-    def get(self, w_uk: Tensor, w_uv: Tensor, source: Tensor) -> tuple[Tensor, Tensor]:
-        """w_uk [H, nope, C] and w_uv [H, v, C] (views of `source`, the kv_b weight)."""
+    def get(self, w_uk: Tensor, w_uv: Tensor, source: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """w_uk [H, nope, C] and w_uv [H, v, C] (views of `source`, the kv_b weight), wanted in `dtype`."""
         if torch.compiler.is_compiling():
             # A traced step cannot key a cache on data pointers: the stacks are made in the graph (the
             # grouped kernel runs only on the CPU, where compile is off unless asked for).
-            return w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()
-        key = (w_uk.dtype, source.data_ptr())
+            return self._made(w_uk.to(dtype), w_uv.to(dtype))
+        key = (dtype, source.data_ptr())
         if self._stacks is None or self._key != key:
             self._key = key
-            self._stacks = (w_uk.transpose(1, 2).contiguous(), w_uv.contiguous())
+            self._stacks = self._made(w_uk.to(dtype), w_uv.to(dtype))
         return self._stacks
+
+    def _made(self, w_uk: Tensor, w_uv: Tensor) -> tuple[Tensor, Tensor]:
+        if self.per_head_stacks:
+            return w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()
+        return w_uk, w_uv

@@ -121,8 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--step-profile",
         action="store_true",
-        help="instead of the workloads: device ops and host syncs of one decode step per --batch-sizes "
-        "entry, the eager step and the static one",
+        help="instead of the workloads: device ops, dtype conversions and host syncs of one decode step "
+        "per --dtype and --batch-sizes entry, the eager step and the static one",
     )
     p.add_argument("--json", type=Path, metavar="OUT", help="also write the JSON result here")
     p.set_defaults(func=run)
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     if args.step_profile:
         from moelaunch.measure.step_trace import print_step_profile
 
-        print_step_profile(args.model, args.batch_sizes, args.threads, args.expert_load)
+        print_step_profile(args.model, args.batch_sizes, args.threads, args.expert_load, args.dtype)
         return 0
     check_bench_args(args)
     print(f"machine: {machine_line('cpu')}", flush=True)
