@@ -18,17 +18,13 @@ import torch
 import torch.nn.functional as F
 from error_bounds import assert_within, matmul_error
 from test_kernels_int_cpu import PATHS_HERE
-from test_kernels_mla_decode import _lens_and_sharing, _naive_decode, _paged_batch
+from test_kernels_mla_decode import U_BF16, _lens_and_sharing, _naive_decode, _paged_batch, weighted_spread
 
 from moelaunch.kernels import cpu_extension, grouped_linear_cpu, mla_decode_cpu, selection
 from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.selection import CPU_ISA_PATHS
 
-# bf16's unit roundoff (8 significant bits, round to nearest).
-U_BF16 = 2.0**-8
 HAS_BF16_DOT = PATHS_HERE[-1] == "avx512_bf16"
-
-
 
 
 @pytest.fixture(params=PATHS_HERE)
@@ -60,7 +56,13 @@ def _exact(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> tuple[torch.T
 
 # (rows per group, N, K): K tails inside one 32-value step (5, 19) and after whole steps (72, 100), rows and
 # weight rows below a tile, empty groups, and whole tiles of the bench model's expert shape.
-GROUPED_CASES = [([1], 7, 5), ([0, 3, 0, 5, 2], 11, 19), ([4, 4, 4], 130, 72), ([16, 9], 64, 256), ([2], 6, 100)]
+GROUPED_CASES = [
+    ([1], 7, 5),
+    ([0, 3, 0, 5, 2], 11, 19),
+    ([4, 4, 4], 130, 72),
+    ([16, 9], 64, 256),
+    ([2], 6, 100),
+]
 
 
 @pytest.mark.parametrize(("counts", "n", "k"), GROUPED_CASES)
@@ -76,7 +78,9 @@ def test_grouped_linear_bf16_rows_match_fp32_products(isa_path, counts, n, k):
     assert_within(rounded, exact, bound + U_BF16 * (exact.abs() + bound))
 
 
-@pytest.mark.parametrize(("counts", "n", "k"), [([1], 14, 5), ([0, 3, 0, 5, 2], 22, 40), ([4, 4, 4, 4], 130, 72)])
+@pytest.mark.parametrize(
+    ("counts", "n", "k"), [([1], 14, 5), ([0, 3, 0, 5, 2], 22, 40), ([4, 4, 4, 4], 130, 72)]
+)
 def test_gated_grouped_linear_bf16_is_silu_of_gate_times_up(isa_path, counts, n, k):
     x, w, offsets = _grouped(counts, n, k, seed=3 * n + k)
     out = cpu_kernel("grouped_linear_cpu")(x, w, offsets, True, selection.cpu_isa_path())
@@ -101,21 +105,8 @@ def test_paged_mla_decode_bf16_matches_exact_softmax(isa_path, c_dim, p_dim, blo
     )
     exact, bound = _naive_decode(b, scale)
     if isa_path == "avx512_bf16":
-        bound = bound + U_BF16 * _weighted_spread(b, scale, exact)
+        bound = bound + U_BF16 * weighted_spread(b, scale, exact)
     assert_within(out, exact, bound)
-
-
-def _weighted_spread(b, scale: float, exact: torch.Tensor) -> torch.Tensor:
-    """sum_t w_t |v_t - out| per row, head and column: what rounding the weights w to bf16 can move."""
-    spread = torch.empty_like(exact)
-    c_dim = exact.shape[-1]
-    for r, (n, s) in enumerate(zip(b.seq_lens.tolist(), b.row_seq, strict=True)):
-        tokens = b.seqs[s][:n].double()
-        queries = torch.cat([b.q_latent[r], b.q_pe[r]], dim=-1).double()
-        weights = (scale * queries @ tokens.T).softmax(dim=-1)  # [H, n]
-        values = tokens[:, :c_dim]
-        spread[r] = torch.einsum("ht,htc->hc", weights, (values[None] - exact[r][:, None]).abs())
-    return spread
 
 
 def test_the_dispatcher_takes_bf16_dot_products_where_the_cpu_has_them(monkeypatch):

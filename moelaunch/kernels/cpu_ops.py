@@ -40,7 +40,9 @@ def cpu_kernel(name: str) -> Callable:
 
 
 @torch.library.custom_op("moelaunch::grouped_linear_cpu", mutates_args=())
-def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False, path: int = -1) -> Tensor:
+def grouped_linear_cpu(
+    x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False, path: int = -1
+) -> Tensor:
     return _ext().grouped_linear_cpu(x, weight, offsets, gated, path)
 
 

@@ -36,7 +36,9 @@ def paged_mla_decode_cpu(
         # bf16 queries go in as they are: the kernel widens them, or multiplies them with a bf16 cache.
         dtype = torch.bfloat16 if q_latent.dtype == torch.bfloat16 else torch.float32
         queries = (cast_if_needed(q_latent, dtype).contiguous(), cast_if_needed(q_pe, dtype).contiguous())
-        out = cpu_kernel("paged_mla_decode_cpu")(*queries, cache.contiguous(), *rows, first, kernel_isa_path())
+        out = cpu_kernel("paged_mla_decode_cpu")(
+            *queries, cache.contiguous(), *rows, first, kernel_isa_path()
+        )
     else:
         queries = (
             cast_if_needed(q_latent, torch.float32).contiguous(),
