@@ -17,9 +17,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from error_bounds import assert_within, matmul_error
+from test_kernel_ops import compiled_ops
 from test_kernels_int_cpu import PATHS_HERE
 from test_kernels_mla_decode import U_BF16, _lens_and_sharing, _naive_decode, _paged_batch, weighted_spread
 
+from moelaunch import kernels
 from moelaunch.kernels import cpu_extension, grouped_linear_cpu, mla_decode_cpu, selection
 from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.selection import CPU_ISA_PATHS
@@ -143,3 +145,24 @@ def test_the_dispatcher_takes_bf16_dot_products_where_the_cpu_has_them(monkeypat
         with pytest.raises(ValueError, match="has no avx512_bf16 path"):
             selection.cpu_isa_path()
     selection.cpu_isa_path.cache_clear()
+
+
+@torch.inference_mode()
+def test_bf16_calls_trace_as_one_op_each_and_count_as_run():
+    """torch.compile (the static decode step) sees each bf16 call as its one custom op, whose fake gives
+    the fp32 sums' shape, and the compiled calls still take the bf16 dot products."""
+    x, w, offsets = _grouped([2, 2], 8, 64, seed=2)  # 2 rows per group: the gated epilogue
+    b = _paged_batch(torch.Generator().manual_seed(3), 4, 64, 16, 16, [5, 20], [0, 1], dtype=torch.bfloat16)
+
+    def step(x, w, q_latent, q_pe, cache):
+        mixed = kernels.grouped_linear(x, w, offsets, gated=True)
+        return (
+            mixed.sum()
+            + kernels.paged_mla_decode(q_latent, q_pe, cache, b.block_table, b.seq_lens, 0.1).sum()
+        )
+
+    before = _bf16_dot_calls()
+    out, ops = compiled_ops(step, x, w, b.q_latent, b.q_pe, b.cache)
+    assert ops == {"grouped_linear_cpu", "paged_mla_decode_cpu"}
+    assert _bf16_dot_calls() - before == (2 if HAS_BF16_DOT else 0)
+    torch.testing.assert_close(out, step(x, w, b.q_latent, b.q_pe, b.cache), rtol=0, atol=0)
