@@ -29,12 +29,12 @@ from moelaunch.kernels import selection
 def _forced(path: str, measure: Callable[[], float]) -> float:
     """measure() with the integer kernels forced onto `path` (MOELAUNCH_CPU_ISA), then back."""
     os.environ["MOELAUNCH_CPU_ISA"] = path
-    selection.int_kernel_path.cache_clear()
+    selection.cpu_isa_path.cache_clear()
     try:
         return measure()
     finally:
         del os.environ["MOELAUNCH_CPU_ISA"]
-        selection.int_kernel_path.cache_clear()
+        selection.cpu_isa_path.cache_clear()
 
 
 def _linear_row(x: torch.Tensor, weights: dict[str, list], repeats: int, best: str) -> dict[str, float]:
@@ -49,14 +49,14 @@ def _linear_row(x: torch.Tensor, weights: dict[str, list], repeats: int, best: s
         "w8a8_ms": _best_ms(lambda qs: kernels.w8a8_linear(x, *qs), int8, repeats),
         "int4_ms": _best_ms(lambda p: kernels.int4_linear(x, *p, kernels.INT4_GROUP_SIZE), int4, repeats),
     }
-    if best == "avx512":
+    if best in ("avx512", "avx512_bf16"):
         int8_avx2 = lambda: _best_ms(lambda qs: kernels.int8_linear(x, *qs), int8, repeats)  # noqa: E731
         row["int8_avx2_ms"] = _forced("avx2", int8_avx2)
     return row
 
 
 def linear_rows(repeats: int) -> list[dict]:
-    best = selection.CPU_ISA_PATHS[selection.int_kernel_path()]
+    best = selection.CPU_ISA_PATHS[selection.cpu_isa_path()]
     results = []
     for k, n in [(256, 1024), (512, 256), (7168, 512)]:
         dense = _copies(lambda n=n, k=k: torch.randn(n, k))

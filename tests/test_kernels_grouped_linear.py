@@ -140,7 +140,7 @@ def test_gating_leaves_the_epilogue_above_two_rows_per_group(monkeypatch):
     flags: list[bool] = []
     kernel = cpu_kernel("grouped_linear_cpu")
     monkeypatch.setattr(
-        grouped_linear_cpu, "cpu_kernel", lambda name: lambda *a: flags.append(a[-1]) or kernel(*a)
+        grouped_linear_cpu, "cpu_kernel", lambda name: lambda *a: flags.append(a[3]) or kernel(*a)
     )
     for rows in (4, 5):  # 2 rows per group: the epilogue; 2.5: the product, then silu_mul
         out = grouped_linear_cpu.grouped_linear_cpu(x[:rows], weight, torch.tensor([0, 2, rows]), gated=True)

@@ -35,6 +35,8 @@ def _paths_of_this_cpu() -> list[str]:
         paths.append("avx2")
         if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
             paths.append("avx512")
+            if "avx512_bf16" in flags:  # the integer kernels run their avx512 code on it
+                paths.append("avx512_bf16")
     return paths
 
 
@@ -45,20 +47,20 @@ PATHS_HERE = _paths_of_this_cpu()
 def isa_path(request, monkeypatch) -> str:
     """Each path this CPU can run, forced in turn: the best one and every fallback."""
     monkeypatch.setenv("MOELAUNCH_CPU_ISA", request.param)
-    selection.int_kernel_path.cache_clear()
+    selection.cpu_isa_path.cache_clear()
     yield request.param
-    selection.int_kernel_path.cache_clear()
+    selection.cpu_isa_path.cache_clear()
 
 
 def test_the_best_path_is_the_cpus_and_paths_it_lacks_are_refused(monkeypatch):
     """What cannot run here (AVX-512 on an AVX2-only CPU) is refused with the reason, not run."""
-    assert CPU_ISA_PATHS[cpu_extension.require().int_kernel_best_path()] == PATHS_HERE[-1]
+    assert CPU_ISA_PATHS[cpu_extension.require().cpu_isa_best_path()] == PATHS_HERE[-1]
     for missing in CPU_ISA_PATHS[len(PATHS_HERE) :]:
         monkeypatch.setenv("MOELAUNCH_CPU_ISA", missing)
-        selection.int_kernel_path.cache_clear()
+        selection.cpu_isa_path.cache_clear()
         with pytest.raises(ValueError, match=f"this CPU \\(or compiler\\) has no {missing} path"):
-            selection.int_kernel_path()
-    selection.int_kernel_path.cache_clear()
+            selection.cpu_isa_path()
+    selection.cpu_isa_path.cache_clear()
 
 
 def _stacks(counts: list[int], n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,10 +142,10 @@ def test_bf16_rows_are_computed_in_fp32_and_returned_in_bf16(isa_path):
 
 def test_an_unknown_path_is_refused(monkeypatch):
     monkeypatch.setenv("MOELAUNCH_CPU_ISA", "sse9")
-    selection.int_kernel_path.cache_clear()
+    selection.cpu_isa_path.cache_clear()
     with pytest.raises(ValueError, match="MOELAUNCH_CPU_ISA='sse9' must be one of scalar, avx2, avx512"):
-        selection.int_kernel_path()
-    selection.int_kernel_path.cache_clear()
+        selection.cpu_isa_path()
+    selection.cpu_isa_path.cache_clear()
 
 
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])

@@ -40,12 +40,15 @@ def cpu_kernel(name: str) -> Callable:
 
 
 @torch.library.custom_op("moelaunch::grouped_linear_cpu", mutates_args=())
-def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
-    return _ext().grouped_linear_cpu(x, weight, offsets, gated)
+def grouped_linear_cpu(
+    x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False, path: int = -1
+) -> Tensor:
+    return _ext().grouped_linear_cpu(x, weight, offsets, gated, path)
 
 
 @grouped_linear_cpu.register_fake
-def _(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+def _(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False, path: int = -1) -> Tensor:
+    # fp32 whatever x's dtype (fp32 or bf16): the sums are fp32, the caller rounds them.
     return x.new_empty(x.shape[0], weight.shape[1] // (2 if gated else 1), dtype=torch.float32)
 
 
@@ -58,12 +61,14 @@ def paged_mla_decode_cpu(
     seq_lens: Tensor,
     scale: float,
     starts: Tensor | None,
+    path: int = -1,
 ) -> Tensor:
-    return _ext().paged_mla_decode_cpu(q_latent, q_pe, cache, block_table, seq_lens, scale, starts)
+    return _ext().paged_mla_decode_cpu(q_latent, q_pe, cache, block_table, seq_lens, scale, starts, path)
 
 
 @paged_mla_decode_cpu.register_fake
-def _(q_latent, q_pe, cache, block_table, seq_lens, scale, starts) -> Tensor:
+def _(q_latent, q_pe, cache, block_table, seq_lens, scale, starts, path=-1) -> Tensor:
+    # fp32 whatever the queries' dtype (fp32 or bf16): the caller rounds it.
     return q_latent.new_empty(q_latent.shape, dtype=torch.float32)
 
 

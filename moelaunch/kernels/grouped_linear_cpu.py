@@ -2,7 +2,9 @@
 
 Decode multiplies a few rows by large weights: the BLAS GEMM packs each weight before using it, which
 costs more than the arithmetic. The kernel reads each weight once, as stored. Rows come in groups, each
-with its own weight (routed experts); a plain linear layer is one group.
+with its own weight (routed experts); a plain linear layer is one group. bf16 rows against a bf16 weight
+multiply in bf16 pairs (vdpbf16ps, fp32 sums) on a CPU with AVX512-BF16, unless MOELAUNCH_CPU_ISA forces
+a lower path; other rows are computed in fp32.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import Tensor
 from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.fused import silu_mul
+from moelaunch.kernels.selection import kernel_isa_path
 
 # Rows per group (on average) up to which SiLU gating runs in the kernel's epilogue: measured faster than
 # a second pass at 1-2 rows per group, slower from 4 (benchmarks/cpu_kernels.py; docs/benchmarks.md,
@@ -25,14 +28,17 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool =
     gated (each group's weight [gate; up]): silu(gate product) * up product, [T, N / 2], the SiLU in the
     kernel's epilogue.
 
-    Computed in fp32 and returned in x's dtype.
+    Summed in fp32 and returned in x's dtype (bf16 rows go in as they are: the kernel widens them, or
+    multiplies them in bf16 pairs with a bf16 weight).
     """
     epilogue = gated and x.shape[0] <= GATED_EPILOGUE_MAX_ROWS * weight.shape[0]
+    rows = x if x.dtype == torch.bfloat16 else cast_if_needed(x, torch.float32)
     out = cpu_kernel("grouped_linear_cpu")(
-        cast_if_needed(x, torch.float32).contiguous(),
+        rows.contiguous(),
         weight.contiguous(),
         cast_if_needed(offsets, torch.int64).contiguous(),
         epilogue,
+        kernel_isa_path(),
     )
     if gated and not epilogue:
         out = silu_mul(*out.chunk(2, dim=-1))

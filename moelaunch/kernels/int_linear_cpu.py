@@ -3,7 +3,7 @@ INT8 and packed INT4 weights as stored (the torch references dequantize the whol
 
 Every function takes rows grouped by `offsets` against a stack of weights [G, N, ...] (routed experts; a
 plain projection is one group), computes in fp32 and returns x's dtype. The instruction-set path is
-`selection.int_kernel_path()`.
+`selection.cpu_isa_path()`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,7 @@ from torch import Tensor
 
 from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
-from moelaunch.kernels.selection import int_kernel_path
-
-
-@torch.compiler.assume_constant_result  # traced as its value (a cached one: the build is not traceable)
-def _path() -> int:
-    return int_kernel_path()
+from moelaunch.kernels.selection import kernel_isa_path
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -28,7 +23,7 @@ def _rows(x: Tensor) -> Tensor:
 def int8_linear_cpu(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor) -> Tensor:
     """x [T, K], q int8 [G, N, K], scale fp32 [G, N] -> x @ (q * scale)^T per group, [T, N]."""
     out = cpu_kernel("int8_linear_cpu")(
-        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), _path()
+        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), kernel_isa_path()
     )
     return cast_if_needed(out, x.dtype)
 
@@ -39,7 +34,7 @@ def w8a8_linear_cpu(
     """As int8_linear_cpu with x quantized to int8 per row first and int32 dot products (W8A8);
     row_amax [T]: each row's amax to quantize with, instead of its own."""
     out = cpu_kernel("w8a8_linear_cpu")(
-        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), _path(), row_amax
+        _rows(x), q.contiguous(), scale.contiguous(), offsets.contiguous(), kernel_isa_path(), row_amax
     )
     return cast_if_needed(out, x.dtype)
 
@@ -55,6 +50,6 @@ def int4_linear_cpu(
         zero.contiguous(),
         offsets.contiguous(),
         group_size,
-        _path(),
+        kernel_isa_path(),
     )
     return cast_if_needed(out, x.dtype)

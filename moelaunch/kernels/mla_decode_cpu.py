@@ -2,7 +2,9 @@
 
 The torch reference pads every row's cache into one dense tensor and reads it several times; at batch
 64 that copy is most of a decode step. The kernel reads each cached token once, from its block, with
-an online softmax; an fp8 cache's block is dequantized in the kernel (1 byte per value read).
+an online softmax; an fp8 cache's block is dequantized in the kernel (1 byte per value read). bf16
+queries over a bf16 cache multiply in bf16 pairs (vdpbf16ps, fp32 sums, softmax weights rounded to bf16)
+on a CPU with AVX512-BF16, unless MOELAUNCH_CPU_ISA forces a lower path.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import Tensor
 
 from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
+from moelaunch.kernels.selection import kernel_isa_path
 
 
 def paged_mla_decode_cpu(
@@ -27,15 +30,20 @@ def paged_mla_decode_cpu(
     """Same contract as `mla_decode_reference.paged_mla_decode_ref` for fp32, bf16 and fp8 caches (an fp8
     cache comes with its scales and is dequantized in the kernel, a block at a time); needs the CPU
     kernels built."""
-    queries = (
-        cast_if_needed(q_latent, torch.float32).contiguous(),
-        cast_if_needed(q_pe, torch.float32).contiguous(),
-    )
     rows = (block_table.contiguous(), cast_if_needed(seq_lens, torch.int64).contiguous(), float(scale))
     first = cast_if_needed(starts, torch.int64).contiguous() if starts is not None else None
     if cache_scales is None:
-        out = cpu_kernel("paged_mla_decode_cpu")(*queries, cache.contiguous(), *rows, first)
+        # bf16 queries go in as they are: the kernel widens them, or multiplies them with a bf16 cache.
+        dtype = torch.bfloat16 if q_latent.dtype == torch.bfloat16 else torch.float32
+        queries = (cast_if_needed(q_latent, dtype).contiguous(), cast_if_needed(q_pe, dtype).contiguous())
+        out = cpu_kernel("paged_mla_decode_cpu")(
+            *queries, cache.contiguous(), *rows, first, kernel_isa_path()
+        )
     else:
+        queries = (
+            cast_if_needed(q_latent, torch.float32).contiguous(),
+            cast_if_needed(q_pe, torch.float32).contiguous(),
+        )
         out = cpu_kernel("paged_mla_decode_fp8_cpu")(
             *queries, cache.contiguous(), cache_scales.contiguous(), *rows, first
         )

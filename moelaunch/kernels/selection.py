@@ -5,8 +5,9 @@
 - The C++ CPU kernels (csrc/, compiled for this machine's instruction set by `cpu_extension`): paged MLA
   decode, few-row linear layers and the fused per-token steps, on fp32 CPU tensors outside autograd whose
   layout the kernel reads (their rows contiguous). Off with MOELAUNCH_CPU_KERNELS=0 or without a compiler.
-  Integer-weight linears (INT8, INT4, W8A8) take them for any number of rows, on the best instruction-set
-  path the CPU has (AVX-512 + VNNI, AVX2, scalar), or a slower one forced by MOELAUNCH_CPU_ISA.
+  Integer-weight linears (INT8, INT4, W8A8) take them for any number of rows. Each kernel call runs the
+  best instruction-set path the CPU has (AVX-512 + BF16, AVX-512 + VNNI, AVX2, scalar), or a slower one
+  forced by MOELAUNCH_CPU_ISA: `cpu_isa_path`.
 - The torch references (or F.linear): every other call, and weight quantization everywhere (done once, at
   conversion or load, never on the hot path).
 
@@ -27,8 +28,9 @@ from moelaunch.kernels.triton_interpreter import interpreting
 # Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
 # it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
 LINEAR_KERNEL_MAX_ROWS = 32
-# The integer kernels' instruction-set paths (csrc/int_isa.h), in the order of their numbers.
-CPU_ISA_PATHS = ("scalar", "avx2", "avx512")
+# The C++ kernels' instruction-set paths (csrc/cpu_isa.h), in the order of their numbers: avx512_bf16
+# adds bf16 dot products (vdpbf16ps) to avx512; MOELAUNCH_CPU_ISA=avx512 forces the widening fp32 path.
+CPU_ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16")
 
 
 def use_triton(t: Tensor) -> bool:
@@ -55,13 +57,14 @@ def int_linear_on_cpu(x: Tensor) -> bool:
 
 
 @functools.cache
-def int_kernel_path() -> int:
-    """The integer kernels' path: the fastest this machine's build has, unless MOELAUNCH_CPU_ISA names a
-    slower one (scalar | avx2 | avx512), so that a machine can run and test its fallbacks.
+def cpu_isa_path() -> int:
+    """The C++ kernels' instruction-set path: the fastest this machine's build has, unless
+    MOELAUNCH_CPU_ISA names a slower one (scalar | avx2 | avx512 | avx512_bf16), so that a machine can run
+    and test its fallbacks.
 
     Decided once per process (it is asked on every projection); after changing MOELAUNCH_CPU_ISA, call
-    int_kernel_path.cache_clear()."""
-    best = cpu_extension.require().int_kernel_best_path()
+    cpu_isa_path.cache_clear()."""
+    best = cpu_extension.require().cpu_isa_best_path()
     forced = os.environ.get("MOELAUNCH_CPU_ISA")
     if forced is None:
         return best
@@ -73,6 +76,12 @@ def int_kernel_path() -> int:
             f"{CPU_ISA_PATHS[best]}"
         )
     return CPU_ISA_PATHS.index(forced)
+
+
+@torch.compiler.assume_constant_result  # traced as its value (a cached one: the build is not traceable)
+def kernel_isa_path() -> int:
+    """`cpu_isa_path()`, for the kernel wrappers to pass on each call."""
+    return cpu_isa_path()
 
 
 def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
@@ -100,8 +109,9 @@ def paged_mla_decode_on_cpu(q_latent: Tensor) -> bool:
 
 def grouped_linear_on_cpu(x: Tensor, weight: Tensor) -> bool:
     """Whether the grouped-linear kernel takes x @ weight.T for any number of rows. bf16 rows are taken
-    too, widened to fp32 on the way in (few rows: cheap) and rounded once on the way out: at decode sizes
-    oneDNN's bf16 GEMM cost several times the kernel's read of the bf16 weight."""
+    too (multiplied in bf16 pairs against a bf16 weight where the CPU has AVX512-BF16, else widened to
+    fp32) and rounded once on the way out: at decode sizes oneDNN's bf16 GEMM cost several times the
+    kernel's read of the bf16 weight."""
     if x.dtype == torch.bfloat16 and not x.is_cuda and not (x.requires_grad and torch.is_grad_enabled()):
         return _cpu_kernel_takes(weight=weight)
     return _cpu_kernel_takes(x, weight=weight)

@@ -17,7 +17,7 @@
 #include <cmath>
 #include <vector>
 
-#include "int_isa.h"
+#include "cpu_isa.h"
 
 namespace {
 
@@ -260,12 +260,8 @@ struct W8A8Kernel {
   }
 };
 
-isa::Path resolve(int64_t path) {
-  const isa::Path best = isa::best_path();
-  if (path < 0) return best;
-  TORCH_CHECK(path <= best, "integer kernel path ", path, " is not built for this CPU (best: ", best, ")");
-  return static_cast<isa::Path>(path);
-}
+// The integer kernels have no bf16 products: the bf16 path runs their AVX-512 code.
+isa::Path resolve(int64_t path) { return std::min(isa::resolve(path), isa::kAvx512); }
 
 void check_common(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& offsets) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be [T, K] fp32");
@@ -405,5 +401,3 @@ torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
   }
   return out;
 }
-
-int64_t int_kernel_best_path() { return isa::best_path(); }

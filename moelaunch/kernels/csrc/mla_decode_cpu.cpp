@@ -10,6 +10,12 @@
 // 4 heads x 16 latent columns per pass over the block's tokens (6 loads per 8 FMAs). A head-by-head
 // loop instead re-reads every token once per head and stores its accumulator after every FMA, which
 // left the FMA units mostly idle.
+//
+// Two paths compute the products (chosen per call, cpu_isa.h). A bf16 query over a bf16 cache takes
+// vdpbf16ps where the CPU has AVX512-BF16 (Bf16Attention): scores as bf16 dot products with fp32 sums,
+// and the weighted sum with each softmax weight rounded to bf16 (relative error <= 2^-9 per weight;
+// the running sum adds the rounded weights, so they still sum to one). Everything else widens bf16 to
+// fp32 (WidenAttention).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -25,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16_dot.h"
+#include "cpu_isa.h"
 #include "prefetch.h"
 #include "simd.h"
 
@@ -40,6 +48,7 @@ using moelaunch::SpreadPrefetcher;
 using moelaunch::store8;
 using moelaunch::to_float;
 using moelaunch::vec8;
+namespace isa = moelaunch::isa;
 
 // Heads that share one pass over a row's tokens: each block is loaded once for all of them.
 constexpr int64_t kHeadsPerTask = 16;
@@ -123,16 +132,21 @@ inline void weighted_sum(const float* probs, int64_t stride, const cache_t* toke
   }
 }
 
-// Per-task scratch floats on 32-byte boundaries: an eight-float load that straddles two cache lines
-// costs two, which made score tiles a third slower when the queries sat 16 bytes off.
+// Per-task scratch values on 64-byte boundaries: a vector load that straddles two cache lines costs two,
+// which made score tiles a third slower when the queries sat 16 bytes off.
+template <typename T = float>
 class Scratch {
  public:
-  explicit Scratch(int64_t n) : vectors_((n + kLanes - 1) / kLanes) {}
-  float* data() { return reinterpret_cast<float*>(vectors_.data()); }
-  void zero() { std::fill(vectors_.begin(), vectors_.end(), vec8{}); }
+  explicit Scratch(int64_t n) : lines_((n * static_cast<int64_t>(sizeof(T)) + kLine - 1) / kLine) {}
+  T* data() { return reinterpret_cast<T*>(lines_.data()); }
+  void zero() { std::fill(lines_.begin(), lines_.end(), Line{}); }
 
  private:
-  std::vector<vec8> vectors_;
+  static constexpr int64_t kLine = 64;
+  struct alignas(kLine) Line {
+    float v[kLine / sizeof(float)];
+  };
+  std::vector<Line> lines_;
 };
 
 // An fp8 (e4m3fn) cache: bytes, dequantized a block at a time into fp32 scratch (below).
@@ -187,20 +201,194 @@ void dequantize_fp8_tokens(const Fp8Cache* tokens, const float* scales, int64_t 
   }
 }
 
-template <typename cache_t, typename index_t>
-void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache, const index_t* block_table,
+// The widening path: fp32 queries; fp32, bf16 or (dequantized) fp8 tokens widened to fp32; 8-lane FMAs.
+struct WidenAttention {
+  using q_t = float;
+
+  // Floats per head in the accumulator: the latent columns in order.
+  static int64_t acc_width(int64_t c_dim) { return c_dim; }
+  static vec8 round(vec8 p) { return p; }
+  static float round(float p) { return p; }
+
+  template <int TT, typename cache_t>
+  static void score(const float* q, const cache_t* tokens, int64_t width, float* scores, int64_t stride,
+                    SpreadPrefetcher& fetch) {
+    score_tile<TT>(q, tokens, width, scores, stride, fetch);
+  }
+
+  template <typename cache_t>
+  static void accumulate(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
+                         int64_t c_dim, float* acc, SpreadPrefetcher& fetch) {
+    weighted_sum<kHeadTile, kWeightedSumVectors>(probs, stride, tokens, n, width, c_dim, acc, fetch);
+  }
+
+  // Prefetch ticks of one head tile over n tokens (score and accumulate tick once per step).
+  static int64_t ticks(int64_t n, int64_t width, int64_t c_dim) {
+    return (n + 2) / 3 * (width / kLanes) + c_dim / (kLanes * kWeightedSumVectors) * n;
+  }
+
+  static void write_out(const float* acc, float inv, int64_t c_dim, float* out) {
+    for (int64_t c = 0; c < c_dim; ++c) out[c] = acc[c] * inv;
+  }
+};
+
+#ifdef MOELAUNCH_HAS_AVX512_BF16
+namespace bf16 = moelaunch::bf16;
+using BF16 = c10::BFloat16;
+
+// The bf16 path: bf16 queries and cache, products through vdpbf16ps with fp32 sums.
+struct Bf16Attention {
+  using q_t = BF16;
+  // Latent columns per accumulator chunk: a token pair's 32 columns interleave into two 16-lane vectors.
+  static constexpr int64_t kCols = 32;
+  // Tokens whose weights are packed at a time, as kTokens / 2 bf16 pairs per head.
+  static constexpr int64_t kTokens = 32;
+
+  // The accumulator holds each chunk of 32 columns as the interleave leaves them (see write_out), zero
+  // past c_dim up to a whole chunk.
+  static int64_t acc_width(int64_t c_dim) { return (c_dim + kCols - 1) / kCols * kCols; }
+
+  // p rounded to bf16 (to nearest, ties to even; p is a finite softmax weight), kept in fp32.
+  static vec8 round(vec8 p) {
+    moelaunch::u32x8 bits;
+    std::memcpy(&bits, &p, sizeof bits);
+    bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    std::memcpy(&p, &bits, sizeof p);
+    return p;
+  }
+  static float round(float p) { return static_cast<float>(BF16(p)); }
+
+  // scores[h * stride + t] = q[h] . tokens[t] for kHeadTile heads and TT tokens, 32 values a step.
+  template <int TT>
+  static void score(const BF16* q, const BF16* tokens, int64_t width, float* scores, int64_t stride,
+                    SpreadPrefetcher& fetch) {
+    constexpr int kTile = kHeadTile * TT;
+    __m512 acc[kTile];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    auto step = [&](int64_t i, auto load) {
+      __m512bh k[TT];
+      for (int t = 0; t < TT; ++t) k[t] = load(tokens + t * width + i);
+      for (int h = 0; h < kHeadTile; ++h) {
+        const __m512bh qh = load(q + h * width + i);
+        for (int t = 0; t < TT; ++t) acc[h * TT + t] = _mm512_dpbf16_ps(acc[h * TT + t], qh, k[t]);
+      }
+    };
+    int64_t i = 0;
+    for (; i + bf16::kStep <= width; i += bf16::kStep) {
+      fetch.tick();
+      step(i, [](const BF16* p) { return bf16::load(p); });
+    }
+    if (i < width) step(i, [n = width - i](const BF16* p) { return bf16::load_first(p, n); });
+    alignas(64) float sums[16];
+    _mm512_store_ps(sums, bf16::lane_sums(acc, kTile));
+    for (int h = 0; h < kHeadTile; ++h) {
+      for (int t = 0; t < TT; ++t) scores[h * stride + t] = sums[h * TT + t];
+    }
+  }
+
+  // acc[h] += sum_t probs[h * stride + t] * tokens[t][0:c_dim] for kHeadTile heads (probs already
+  // rounded to bf16), two tokens per vdpbf16ps: a token pair's rows interleaved into (t, t+1) value
+  // pairs (vpunpck{l,h}wd), each head's two weights broadcast as one bf16 pair. Up to 32 tokens at a
+  // time, their weights packed on the stack; V chunks of 32 columns per pass.
+  static void accumulate(const float* probs, int64_t stride, const BF16* tokens, int64_t n, int64_t width,
+                         int64_t c_dim, float* acc, SpreadPrefetcher& fetch) {
+    const int64_t acc_w = acc_width(c_dim);
+    alignas(64) uint32_t pairs[kHeadTile][kTokens / 2];
+    for (int64_t t0 = 0; t0 < n; t0 += kTokens) {
+      const int64_t nt = std::min(kTokens, n - t0);
+      for (int h = 0; h < kHeadTile; ++h) {
+        for (int64_t j = 0; j < (nt + 1) / 2; ++j) {
+          uint32_t lo, hi = 0;
+          std::memcpy(&lo, probs + h * stride + t0 + 2 * j, sizeof lo);
+          if (2 * j + 1 < nt) std::memcpy(&hi, probs + h * stride + t0 + 2 * j + 1, sizeof hi);
+          pairs[h][j] = (lo >> 16) | (hi & 0xffff0000u);  // exact: both already bf16 values
+        }
+      }
+      const BF16* block = tokens + t0 * width;
+      int64_t c = 0;
+      for (; c + 2 * kCols <= c_dim; c += 2 * kCols) chunk<2>(pairs, block, nt, width, c, c_dim, acc_w, acc, fetch);
+      for (; c < c_dim; c += kCols) chunk<1>(pairs, block, nt, width, c, c_dim, acc_w, acc, fetch);
+    }
+  }
+
+  template <int V>
+  static void chunk(const uint32_t (*pairs)[kTokens / 2], const BF16* tokens, int64_t nt, int64_t width, int64_t c,
+                    int64_t c_dim, int64_t acc_w, float* acc, SpreadPrefetcher& fetch) {
+    __m512 a[kHeadTile][V][2];
+    for (int h = 0; h < kHeadTile; ++h) {
+      for (int v = 0; v < V; ++v) {
+        for (int half = 0; half < 2; ++half) a[h][v][half] = _mm512_loadu_ps(acc + h * acc_w + c + v * kCols + 16 * half);
+      }
+    }
+    const int64_t cols = c_dim - c;  // columns left; a chunk past c_dim reads zeros, not the k_pe values
+    auto row = [&](const BF16* p, int v) {
+      const int64_t left = cols - v * kCols;
+      return left >= kCols ? _mm512_loadu_si512(p + v * kCols)
+                           : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << left) - 1), p + v * kCols);
+    };
+    for (int64_t j = 0; j < (nt + 1) / 2; ++j) {
+      fetch.tick();
+      const BF16* first = tokens + 2 * j * width + c;
+      const bool second = 2 * j + 1 < nt;
+      __m512bh lo[V], hi[V];
+      for (int v = 0; v < V; ++v) {
+        const __m512i t0 = row(first, v), t1 = second ? row(first + width, v) : _mm512_setzero_si512();
+        lo[v] = (__m512bh)_mm512_unpacklo_epi16(t0, t1);
+        hi[v] = (__m512bh)_mm512_unpackhi_epi16(t0, t1);
+      }
+      for (int h = 0; h < kHeadTile; ++h) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[h][j]));
+        for (int v = 0; v < V; ++v) {
+          a[h][v][0] = _mm512_dpbf16_ps(a[h][v][0], p, lo[v]);
+          a[h][v][1] = _mm512_dpbf16_ps(a[h][v][1], p, hi[v]);
+        }
+      }
+    }
+    for (int h = 0; h < kHeadTile; ++h) {
+      for (int v = 0; v < V; ++v) {
+        for (int half = 0; half < 2; ++half) _mm512_storeu_ps(acc + h * acc_w + c + v * kCols + 16 * half, a[h][v][half]);
+      }
+    }
+  }
+
+  static int64_t ticks(int64_t n, int64_t width, int64_t c_dim) {
+    return (n + 2) / 3 * (width / bf16::kStep) + (n + 1) / 2 * (c_dim / (2 * kCols));
+  }
+
+  // Within each 128-bit lane L of a chunk's 32 columns c..c+31, vpunpcklwd took columns c+8L..c+8L+3
+  // into the first vector's lanes 4L..4L+3, vpunpckhwd columns c+8L+4..c+8L+7 into the second's.
+  static void write_out(const float* acc, float inv, int64_t c_dim, float* out) {
+    for (int64_t c = 0; c < c_dim; c += kCols) {
+      const float* lo = acc + c;
+      const float* hi = lo + 16;
+      for (int lane = 0; lane < 4; ++lane) {
+        for (int i = 0; i < 4; ++i) {
+          const int64_t col = c + 8 * lane + i;
+          if (col < c_dim) out[col] = lo[4 * lane + i] * inv;
+          if (col + 4 < c_dim) out[col + 4] = hi[4 * lane + i] * inv;
+        }
+      }
+    }
+  }
+};
+#endif
+
+template <class Attn, typename cache_t, typename index_t>
+void decode_rows(const typename Attn::q_t* q_latent, const typename Attn::q_t* q_pe, const cache_t* cache,
+                 const index_t* block_table,
                  const int64_t* seq_lens, const int64_t* starts, float* out, int64_t rows, int64_t heads,
                  int64_t c_dim, int64_t p_dim, int64_t block_size, int64_t max_blocks, float scale,
                  const float* cache_scales) {
-  const int64_t width = c_dim + p_dim;
+  const int64_t width = c_dim + p_dim, acc_w = Attn::acc_width(c_dim);
   const int64_t head_groups = (heads + kHeadsPerTask - 1) / kHeadsPerTask;
   // Where row r's walk begins: the block holding its first token (0 without starts).
   auto first_block_start = [&](int64_t r) { return starts ? starts[r] - starts[r] % block_size : int64_t{0}; };
   at::parallel_for(0, rows * head_groups, 1, [&](int64_t begin, int64_t end) {
     constexpr int64_t padded = kHeadsPerTask;  // a multiple of kHeadTile
-    Scratch q(padded * width), acc(padded * c_dim), probs(padded * block_size);
+    Scratch<typename Attn::q_t> q(padded * width);
+    Scratch<> acc(padded * acc_w), probs(padded * block_size);
     constexpr bool kFp8 = std::is_same_v<cache_t, Fp8Cache>;
-    Scratch dequantized(kFp8 ? block_size * width : 0);
+    Scratch<> dequantized(kFp8 ? block_size * width : 0);
     std::vector<float> running_max(padded), running_sum(padded);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / head_groups;
@@ -244,23 +432,22 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
           const int64_t next_n = std::min(block_size, seq_lens[next_row] - from);
           const cache_t* next_block =
               cache + static_cast<int64_t>(block_table[next_row * max_blocks + from / block_size]) * block_size * width;
-          const int64_t ticks =
-              nh_tiles * ((n + 2) / 3 * (width / kLanes) + c_dim / (kLanes * kWeightedSumVectors) * n);
+          const int64_t ticks = nh_tiles * Attn::ticks(n, width, c_dim);
           fetch = SpreadPrefetcher(next_block, next_n * width * static_cast<int64_t>(sizeof(cache_t)), ticks);
         }
         for (int64_t ht = 0; ht < nh_tiles; ++ht) {
-          const float* q_tile = q.data() + ht * kHeadTile * width;
+          const auto* q_tile = q.data() + ht * kHeadTile * width;
           float* s_tile = probs.data() + ht * kHeadTile * block_size;
           int64_t t = 0;
           for (; t + 3 <= n; t += 3) {
-            score_tile<3>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
+            Attn::template score<3>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
           }
           if (t + 2 <= n) {
-            score_tile<2>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
+            Attn::template score<2>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
             t += 2;
           }
           if (t < n) {
-            score_tile<1>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
+            Attn::template score<1>(q_tile, block + t * width, width, s_tile + t, block_size, fetch);
           }
         }
         for (int64_t h = 0; h < nh_tiles * kHeadTile; ++h) {
@@ -274,46 +461,44 @@ void decode_rows(const float* q_latent, const float* q_pe, const cache_t* cache,
           const float correction = std::exp(running_max[h] - block_max);
           if (correction != 1.f) {
             running_sum[h] *= correction;
-            float* acc_h = acc.data() + h * c_dim;
-            for (int64_t c = 0; c < c_dim; ++c) acc_h[c] *= correction;
+            float* acc_h = acc.data() + h * acc_w;
+            for (int64_t c = 0; c < acc_w; ++c) acc_h[c] *= correction;
           }
           int64_t t = 0;
           for (; t + kLanes <= n; t += kLanes) {
-            const vec8 p = exp8(load8(s + t) - block_max);
+            const vec8 p = Attn::round(exp8(load8(s + t) - block_max));
             store8(s + t, p);
             running_sum[h] += hsum(p);
           }
           for (; t < n; ++t) {
-            s[t] = std::exp(s[t] - block_max);
+            s[t] = Attn::round(std::exp(s[t] - block_max));
             running_sum[h] += s[t];
           }
           running_max[h] = block_max;
         }
         for (int64_t ht = 0; ht < nh_tiles; ++ht) {
-          weighted_sum<kHeadTile, kWeightedSumVectors>(probs.data() + ht * kHeadTile * block_size, block_size, block,
-                                                       n, width, c_dim, acc.data() + ht * kHeadTile * c_dim, fetch);
+          Attn::accumulate(probs.data() + ht * kHeadTile * block_size, block_size, block, n, width, c_dim,
+                           acc.data() + ht * kHeadTile * acc_w, fetch);
         }
       }
       for (int64_t h = 0; h < nh; ++h) {
-        const float inv = 1.f / running_sum[h];
-        const float* acc_h = acc.data() + h * c_dim;
-        float* out_h = out + (r * heads + h0 + h) * c_dim;
-        for (int64_t c = 0; c < c_dim; ++c) out_h[c] = acc_h[c] * inv;
+        Attn::write_out(acc.data() + h * acc_w, 1.f / running_sum[h], c_dim, out + (r * heads + h0 + h) * c_dim);
       }
     }
   });
 }
 
-template <typename cache_t>
+template <class Attn, typename cache_t>
 void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, const torch::Tensor& cache,
                     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const int64_t* starts,
                     torch::Tensor& out, float scale, const float* cache_scales) {
+  using q_t = typename Attn::q_t;
   const int64_t rows = q_latent.size(0), heads = q_latent.size(1), c_dim = q_latent.size(2);
   const auto* cache_ptr = reinterpret_cast<const cache_t*>(cache.data_ptr());
   auto run = [&](const auto* table) {
-    decode_rows(q_latent.data_ptr<float>(), q_pe.data_ptr<float>(), cache_ptr, table, seq_lens.data_ptr<int64_t>(),
-                starts, out.data_ptr<float>(), rows, heads, c_dim, q_pe.size(2), cache.size(1), block_table.size(1),
-                scale, cache_scales);
+    decode_rows<Attn>(reinterpret_cast<const q_t*>(q_latent.data_ptr()), reinterpret_cast<const q_t*>(q_pe.data_ptr()),
+                      cache_ptr, table, seq_lens.data_ptr<int64_t>(), starts, out.data_ptr<float>(), rows, heads,
+                      c_dim, q_pe.size(2), cache.size(1), block_table.size(1), scale, cache_scales);
   };
   if (block_table.scalar_type() == torch::kInt32) {
     run(block_table.data_ptr<int32_t>());
@@ -324,29 +509,45 @@ void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, co
 
 }  // namespace
 
-// q_latent [R, H, C] and q_pe [R, H, P] fp32; cache [num_blocks, block_size, C + P] fp32 or bf16;
-// block_table [R, max_blocks] int32/int64; seq_lens [R] int64 (>= 1); starts [R] int64 (< seq_lens), the
-// first position each row attends to (default 0). Returns [R, H, C] fp32.
+// q_latent [R, H, C] and q_pe [R, H, P] fp32 or bf16 (both alike); cache [num_blocks, block_size, C + P]
+// fp32 or bf16; block_table [R, max_blocks] int32/int64; seq_lens [R] int64 (>= 1); starts [R] int64
+// (< seq_lens), the first position each row attends to (default 0); path: cpu_isa.h's (-1: the best
+// built). Returns [R, H, C] fp32. bf16 queries over a bf16 cache run vdpbf16ps on the AVX512-BF16 path;
+// other bf16 queries are widened first.
 torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                    torch::Tensor block_table, torch::Tensor seq_lens, double scale,
-                                   c10::optional<torch::Tensor> starts) {
-  TORCH_CHECK(q_latent.scalar_type() == torch::kFloat32 && q_pe.scalar_type() == torch::kFloat32,
-              "queries must be fp32");
+                                   c10::optional<torch::Tensor> starts, int64_t path) {
+  const auto q_dtype = q_latent.scalar_type();
+  TORCH_CHECK((q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) && q_pe.scalar_type() == q_dtype,
+              "queries must be both fp32 or both bf16");
   TORCH_CHECK(q_latent.is_contiguous() && q_pe.is_contiguous() && cache.is_contiguous() &&
                   block_table.is_contiguous() && seq_lens.is_contiguous(),
               "inputs must be contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64, "seq_lens must be int64");
   TORCH_CHECK(!starts || (starts->scalar_type() == torch::kInt64 && starts->is_contiguous()),
               "starts must be contiguous int64");
+  TORCH_CHECK(cache.scalar_type() == torch::kFloat32 || cache.scalar_type() == torch::kBFloat16,
+              "cache dtype must be fp32 or bf16, got ", cache.scalar_type());
   const int64_t* first = starts ? starts->data_ptr<int64_t>() : nullptr;
-  auto out = torch::empty_like(q_latent);
+  auto out = torch::empty(q_latent.sizes(), q_latent.options().dtype(torch::kFloat32));
   const float s = static_cast<float>(scale);
+  [[maybe_unused]] const bool bf16_dot = q_dtype == torch::kBFloat16 && cache.scalar_type() == torch::kBFloat16 &&
+                        isa::resolve(path) == isa::kAvx512Bf16;
+#ifdef MOELAUNCH_HAS_AVX512_BF16
+  if (bf16_dot) {
+    ++isa::bf16_dot_calls();
+    dispatch_index<Bf16Attention, c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
+    return out;
+  }
+#endif
+  // The widening path reads fp32 queries (no copy when they are).
+  q_latent = q_latent.to(torch::kFloat32);
+  q_pe = q_pe.to(torch::kFloat32);
   if (cache.scalar_type() == torch::kFloat32) {
-    dispatch_index<float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
-  } else if (cache.scalar_type() == torch::kBFloat16) {
-    dispatch_index<c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
+    dispatch_index<WidenAttention, float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
   } else {
-    TORCH_CHECK(false, "cache dtype must be fp32 or bf16, got ", cache.scalar_type());
+    dispatch_index<WidenAttention, c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s,
+                                                  nullptr);
   }
   return out;
 }
@@ -370,7 +571,7 @@ torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_p
   TORCH_CHECK(!starts || (starts->scalar_type() == torch::kInt64 && starts->is_contiguous()),
               "starts must be contiguous int64");
   auto out = torch::empty_like(q_latent);
-  dispatch_index<Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, starts ? starts->data_ptr<int64_t>() : nullptr,
+  dispatch_index<WidenAttention, Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, starts ? starts->data_ptr<int64_t>() : nullptr,
                            out, static_cast<float>(scale), cache_scales.data_ptr<float>());
   return out;
 }

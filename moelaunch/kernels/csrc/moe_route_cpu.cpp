@@ -142,7 +142,8 @@ std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids,
   return {rows, sorted_ids, offsets, slot};
 }
 
-torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated);
+torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated,
+                                 int64_t path);
 
 // The router's GEMM and routing in one call: logits = x [T, D] @ weight [E, D]^T by the grouped-linear
 // kernel (one group: the same product the projections use), then moe_route_cpu on them.
@@ -151,6 +152,6 @@ std::vector<torch::Tensor> moe_gate_cpu(torch::Tensor x, torch::Tensor weight, c
                                         bool normalize, double scale) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "x must be [T, D] and weight [E, D]");
   const auto offsets = torch::tensor(std::vector<int64_t>{0, x.size(0)}, torch::kInt64);
-  const auto logits = grouped_linear_cpu(x, weight.unsqueeze(0), offsets, false);
+  const auto logits = grouped_linear_cpu(x, weight.unsqueeze(0), offsets, false, -1);
   return moe_route_cpu(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale);
 }

@@ -1,12 +1,20 @@
-// The instruction sets the integer-weight kernels have a path for, each as a small traits struct of
-// float-vector operations, so that one kernel template serves every path:
+// The instruction-set paths of the CPU kernels, one ladder for all (selection.CPU_ISA_PATHS names them,
+// MOELAUNCH_CPU_ISA forces a lower one). The integer-weight kernels take each as a small traits struct
+// of float-vector operations, so that one kernel template serves every path:
+// - Avx512Bf16: AVX-512 plus vdpbf16ps (AVX512-BF16), bf16 x bf16 dot products with fp32 sums, used by
+//   the grouped-linear and MLA decode kernels when both operands are bf16 (bf16_dot.h); the integer
+//   kernels have nothing to gain from it and run their Avx512 code;
 // - Avx512: 16 fp32 lanes (AVX-512F), and for W8A8 the integer dot products of AVX512-VNNI;
 // - Avx2: 8 fp32 lanes (AVX2 + FMA), W8A8 through 16-bit multiply-adds (vpmaddwd);
 // - Scalar: one lane, plain C++ (any CPU; the reference the vector paths are tested against).
+// The float kernels below Avx512Bf16 widen bf16 to fp32 (simd.h) whatever the path.
 // A path exists in a build only when the compiler targets its instructions (the build is -march=native),
-// and which one runs is chosen per call (int_linear_cpu.cpp: the best the CPU has, or a forced one).
+// and which one runs is chosen per call (`resolve`: the best the build has, or a forced one).
 #pragma once
 
+#include <c10/util/Exception.h>
+
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 
@@ -17,10 +25,13 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define MOELAUNCH_HAS_AVX512 1
 #endif
+#if defined(MOELAUNCH_HAS_AVX512) && defined(__AVX512BF16__)
+#define MOELAUNCH_HAS_AVX512_BF16 1
+#endif
 
 namespace moelaunch::isa {
 
-enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 struct Scalar {
   using F = float;
@@ -85,13 +96,29 @@ struct Avx512 {
 
 // The best path this build and CPU have.
 inline Path best_path() {
-#ifdef MOELAUNCH_HAS_AVX512
+#ifdef MOELAUNCH_HAS_AVX512_BF16
+  return kAvx512Bf16;
+#elif defined(MOELAUNCH_HAS_AVX512)
   return kAvx512;
 #elif defined(MOELAUNCH_HAS_AVX2)
   return kAvx2;
 #else
   return kScalar;
 #endif
+}
+
+// The path a call asked for (-1: the best), refused when this build lacks it.
+inline Path resolve(int64_t path) {
+  const Path best = best_path();
+  if (path < 0) return best;
+  TORCH_CHECK(path <= best, "CPU kernel path ", path, " is not built for this CPU (best: ", best, ")");
+  return static_cast<Path>(path);
+}
+
+// Calls whose products ran through vdpbf16ps, for tests to see that the dispatch took that path.
+inline std::atomic<int64_t>& bf16_dot_calls() {
+  static std::atomic<int64_t> calls{0};
+  return calls;
 }
 
 }  // namespace moelaunch::isa

@@ -1,0 +1,160 @@
+"""bf16 dot products (vdpbf16ps) in the C++ kernels against their widening fp32 path, on one thread.
+
+    python -m benchmarks.bf16_kernels [--repeats 5]
+
+bf16 rows and weights (a model running in bf16), each kernel on the CPU's best path and forced onto
+`avx512` (MOELAUNCH_CPU_ISA), which widens bf16 to fp32 and runs fp32 FMAs:
+- routed experts: 16 stacked experts, [gate; up] 512x256 (gated epilogue and plain) and down 256x256,
+  1 to 16 rows per expert (batch 64 with top-4 of 16 gives 16);
+- few-row linear: one group, the bench model's projection shapes;
+- paged MLA decode: 8 heads, 512 + 64 latent, blocks of 16, 290 cached tokens per row, bf16 cache.
+
+Cold operands as in `benchmarks.cpu_kernels`. Each repeat times both paths in turn over every copy;
+figures are the median (min-max) of the repeats' per-call means, in ms, and best/widened the ratio of
+the medians. Prints a table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.cpu_kernels import _copies
+from moelaunch import kernels
+from moelaunch.kernels import selection
+
+WIDENING_PATH = "avx512"
+
+
+def _pass_ms(fn: Callable[[torch.Tensor], object], operands: list[torch.Tensor]) -> float:
+    start = time.perf_counter()
+    for op in operands:
+        fn(op)
+    return (time.perf_counter() - start) / len(operands) * 1e3
+
+
+def _set_path(path: str | None) -> None:
+    if path is None:
+        os.environ.pop("MOELAUNCH_CPU_ISA", None)
+    else:
+        os.environ["MOELAUNCH_CPU_ISA"] = path
+    selection.cpu_isa_path.cache_clear()
+
+
+def compare(fn: Callable[[torch.Tensor], object], operands: list[torch.Tensor], repeats: int) -> dict:
+    """fn's time on the best path and on the widening one, alternating pass by pass."""
+    times: dict[str, list[float]] = {"best": [], "widened": []}
+    for _ in range(repeats):
+        for name, path in (("best", None), ("widened", WIDENING_PATH)):
+            _set_path(path)
+            fn(operands[0])
+            times[name].append(_pass_ms(fn, operands))
+    _set_path(None)
+    row = {name: {"median": statistics.median(t), "min": min(t), "max": max(t)} for name, t in times.items()}
+    row["speedup"] = row["widened"]["median"] / row["best"]["median"]
+    return row
+
+
+def experts(repeats: int) -> list[dict]:
+    n_experts = 16
+    results = []
+    for name, n, k, gated in (
+        ("gate_up", 512, 256, True),
+        ("gate_up", 512, 256, False),
+        ("down", 256, 256, False),
+    ):
+        stacks = _copies(lambda n=n, k=k: torch.randn(n_experts, n, k).bfloat16())
+        for rows in (1, 2, 4, 16):
+            x = torch.randn(n_experts * rows, k).bfloat16()
+            offsets = torch.arange(n_experts + 1) * rows
+            fn = lambda s, x=x, o=offsets, g=gated: kernels.grouped_linear(x, s, o, gated=g)  # noqa: E731
+            results.append(
+                {"weight": name, "gated": gated, "rows_per_expert": rows, **compare(fn, stacks, repeats)}
+            )
+    return results
+
+
+def linear_rows(repeats: int) -> list[dict]:
+    results = []
+    for k, n in [(256, 1024), (256, 576), (512, 256)]:
+        weights = _copies(lambda n=n, k=k: torch.randn(n, k).bfloat16())
+        for rows in (1, 8, 32):
+            x = torch.randn(rows, k).bfloat16()
+            fn = lambda w, x=x: kernels.linear(x, w)  # noqa: E731
+            results.append({"k": k, "n": n, "rows": rows, **compare(fn, weights, repeats)})
+    return results
+
+
+def decode(repeats: int) -> list[dict]:
+    heads, c_dim, p_dim, block, length = 8, 512, 64, 16, 290
+    blocks_per_row = -(-length // block)
+    results = []
+    for rows in (8, 64):
+        pool = 2 * rows * blocks_per_row
+        caches = _copies(lambda pool=pool: torch.randn(pool, block, c_dim + p_dim).bfloat16())
+        table = torch.randperm(pool)[: rows * blocks_per_row].to(torch.int32).view(rows, blocks_per_row)
+        q_latent, q_pe = (
+            torch.randn(rows, heads, c_dim).bfloat16(),
+            torch.randn(rows, heads, p_dim).bfloat16(),
+        )
+        lens = torch.full((rows,), length)
+        args = (q_latent, q_pe, table, lens)
+
+        def fn(c: torch.Tensor, a: tuple = args) -> torch.Tensor:
+            return kernels.paged_mla_decode(a[0], a[1], c, a[2], a[3], 0.05)
+
+        results.append({"rows": rows, "cached_tokens": length, **compare(fn, caches, repeats)})
+    return results
+
+
+def _cell(t: dict) -> str:
+    return f"{t['median']:7.3f} ({t['min']:.3f}-{t['max']:.3f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    if not kernels.prepare_cpu_kernels():
+        raise SystemExit("the CPU kernels are not built (MOELAUNCH_CPU_KERNELS=0 or no compiler)")
+    best = selection.CPU_ISA_PATHS[selection.cpu_isa_path()]
+    if best != "avx512_bf16":
+        raise SystemExit(f"this CPU's best kernel path is {best}: no bf16 dot products to compare")
+    with torch.no_grad():
+        report = {
+            "experts": experts(opts.repeats),
+            "linear": linear_rows(opts.repeats),
+            "decode": decode(opts.repeats),
+        }
+    print(f"load average {os.getloadavg()[0]:.2f}; ms per call, median (min-max) of {opts.repeats}")
+    print("16 experts, bf16 rows and weights: avx512_bf16 vs widened (avx512)")
+    for r in report["experts"]:
+        print(
+            f"  {r['weight']:8s} gated={r['gated']!s:5s} rows/expert={r['rows_per_expert']:3d}  "
+            f"bf16 dot {_cell(r['best'])}  widened {_cell(r['widened'])}  x{r['speedup']:.2f}"
+        )
+    print("few-row linear, bf16")
+    for r in report["linear"]:
+        print(
+            f"  K={r['k']:4d} N={r['n']:5d} rows={r['rows']:3d}  bf16 dot {_cell(r['best'])}  "
+            f"widened {_cell(r['widened'])}  x{r['speedup']:.2f}"
+        )
+    print("paged MLA decode, one layer, bf16 queries and cache")
+    for r in report["decode"]:
+        print(
+            f"  rows={r['rows']:3d}  bf16 dot {_cell(r['best'])}  widened {_cell(r['widened'])}  "
+            f"x{r['speedup']:.2f}"
+        )
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
