@@ -113,7 +113,9 @@ def test_paged_mla_decode_bf16_matches_exact_softmax(isa_path, c_dim, p_dim, blo
 
 def test_the_dispatcher_takes_bf16_dot_products_where_the_cpu_has_them(monkeypatch):
     """Unforced, bf16 operands run vdpbf16ps on an AVX512-BF16 CPU (the counter moves once per call);
-    MOELAUNCH_CPU_ISA=avx512 forces the widening path, and fp32 rows are never rounded to bf16."""
+    fp32 rows meeting bf16 experts or cache are rounded and take it too (a bf16 model's activations),
+    fp32 rows against fp32 experts or one bf16 weight never do; MOELAUNCH_CPU_ISA=avx512 forces the
+    widening path."""
     monkeypatch.delenv("MOELAUNCH_CPU_ISA", raising=False)
     selection.cpu_isa_path.cache_clear()
     x, w, offsets = _grouped([3, 2], 8, 64, seed=0)
@@ -132,8 +134,11 @@ def test_the_dispatcher_takes_bf16_dot_products_where_the_cpu_has_them(monkeypat
     assert calls_of(lambda: grouped_linear_cpu.grouped_linear_cpu(x, w, offsets)) == expected
     assert calls_of(lambda: grouped_linear_cpu.grouped_linear_cpu(x, w, offsets, gated=True)) == expected
     assert calls_of(lambda: decode(b.q_latent, b.q_pe)) == expected
-    assert calls_of(lambda: grouped_linear_cpu.grouped_linear_cpu(x.float(), w, offsets)) == 0
-    assert calls_of(lambda: decode(b.q_latent.float(), b.q_pe.float())) == 0
+    assert calls_of(lambda: grouped_linear_cpu.grouped_linear_cpu(x.float(), w, offsets)) == expected
+    assert calls_of(lambda: decode(b.q_latent.float(), b.q_pe.float())) == expected
+    assert calls_of(lambda: grouped_linear_cpu.grouped_linear_cpu(x.float(), w.float(), offsets)) == 0
+    one = torch.tensor([0, x.shape[0]])
+    assert calls_of(lambda: grouped_linear_cpu.grouped_linear_cpu(x.float(), w[:1].contiguous(), one)) == 0
     if "avx512" in PATHS_HERE:
         monkeypatch.setenv("MOELAUNCH_CPU_ISA", "avx512")
         selection.cpu_isa_path.cache_clear()

@@ -4,7 +4,8 @@ Decode multiplies a few rows by large weights: the BLAS GEMM packs each weight b
 costs more than the arithmetic. The kernel reads each weight once, as stored. Rows come in groups, each
 with its own weight (routed experts); a plain linear layer is one group. bf16 rows against a bf16 weight
 multiply in bf16 pairs (vdpbf16ps, fp32 sums) on a CPU with AVX512-BF16, unless MOELAUNCH_CPU_ISA forces
-a lower path; other rows are computed in fp32.
+a lower path; there fp32 rows meeting several bf16 weights (experts, heads) are rounded to bf16 first.
+Other rows are computed in fp32.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import Tensor
 from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.fused import silu_mul
-from moelaunch.kernels.selection import kernel_isa_path
+from moelaunch.kernels.selection import bf16_dot_products, kernel_isa_path
 
 # Rows per group (on average) up to which SiLU gating runs in the kernel's epilogue: measured faster than
 # a second pass at 1-2 rows per group, slower from 4 (benchmarks/cpu_kernels.py; docs/benchmarks.md,
@@ -32,7 +33,12 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool =
     multiplies them in bf16 pairs with a bf16 weight).
     """
     epilogue = gated and x.shape[0] <= GATED_EPILOGUE_MAX_ROWS * weight.shape[0]
-    rows = x if x.dtype == torch.bfloat16 else cast_if_needed(x, torch.float32)
+    # fp32 rows are rounded only for several groups (routed experts, the decode heads' per-head products):
+    # 1.0-1.4x there, while a single weight's few rows lost up to 8 % in bf16 pairs
+    # (benchmarks/bf16_kernels.py).
+    grouped = weight.shape[0] > 1 and weight.dtype == torch.bfloat16
+    in_bf16 = x.dtype == torch.bfloat16 or (grouped and bf16_dot_products())
+    rows = cast_if_needed(x, torch.bfloat16 if in_bf16 else torch.float32)
     out = cpu_kernel("grouped_linear_cpu")(
         rows.contiguous(),
         weight.contiguous(),

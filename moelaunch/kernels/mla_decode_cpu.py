@@ -14,7 +14,7 @@ from torch import Tensor
 
 from moelaunch.kernels.cpu_extension import cast_if_needed
 from moelaunch.kernels.cpu_ops import cpu_kernel
-from moelaunch.kernels.selection import kernel_isa_path
+from moelaunch.kernels.selection import bf16_dot_products, kernel_isa_path
 
 
 def paged_mla_decode_cpu(
@@ -34,7 +34,9 @@ def paged_mla_decode_cpu(
     first = cast_if_needed(starts, torch.int64).contiguous() if starts is not None else None
     if cache_scales is None:
         # bf16 queries go in as they are: the kernel widens them, or multiplies them with a bf16 cache.
-        dtype = torch.bfloat16 if q_latent.dtype == torch.bfloat16 else torch.float32
+        # On a CPU with bf16 dot products, fp32 queries meeting a bf16 cache are rounded to bf16.
+        in_bf16 = q_latent.dtype == torch.bfloat16 or (cache.dtype == torch.bfloat16 and bf16_dot_products())
+        dtype = torch.bfloat16 if in_bf16 else torch.float32
         queries = (cast_if_needed(q_latent, dtype).contiguous(), cast_if_needed(q_pe, dtype).contiguous())
         out = cpu_kernel("paged_mla_decode_cpu")(
             *queries, cache.contiguous(), *rows, first, kernel_isa_path()

@@ -84,6 +84,13 @@ def kernel_isa_path() -> int:
     return cpu_isa_path()
 
 
+def bf16_dot_products() -> bool:
+    """Whether the C++ kernels multiply bf16 pairs (AVX512-BF16). Then fp32 rows meeting bf16 weights or a
+    bf16 cache are rounded to bf16 first, as oneDNN's bf16 GEMM rounds its input for many rows: half the
+    bytes, twice the products per instruction, within the bf16 model's own rounding."""
+    return kernel_isa_path() == CPU_ISA_PATHS.index("avx512_bf16")
+
+
 def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     """Whether the C++ kernels take these tensors: on the CPU, fp32 (a linear layer's `weight` fp32 or
     bf16), none under autograd (the kernels have no backward), and the kernels built."""
