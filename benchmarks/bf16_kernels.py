@@ -1,17 +1,19 @@
-"""bf16 dot products (vdpbf16ps) in the C++ kernels against their widening fp32 path, on one thread.
+"""bf16 dot products (vdpbf16ps; AMX tiles in MLA decode) in the C++ kernels against their widening fp32
+path, on one thread.
 
     python -m benchmarks.bf16_kernels [--repeats 5]
 
-bf16 rows and weights (a model running in bf16), each kernel on the CPU's best path and forced onto
-`avx512` (MOELAUNCH_CPU_ISA), which widens bf16 to fp32 and runs fp32 FMAs:
+bf16 rows and weights (a model running in bf16), each kernel forced (MOELAUNCH_CPU_ISA) onto each bf16
+path the CPU has: `amx` (MLA decode only; the other kernels run their vdpbf16ps code on it),
+`avx512_bf16` (vdpbf16ps) and `avx512`, which widens bf16 to fp32 and runs fp32 FMAs:
 - routed experts: 16 stacked experts, [gate; up] 512x256 (gated epilogue and plain) and down 256x256,
   1 to 16 rows per expert (batch 64 with top-4 of 16 gives 16);
 - few-row linear: one group, the bench model's projection shapes;
 - paged MLA decode: 8 heads, 512 + 64 latent, blocks of 16, 290 cached tokens per row, bf16 cache.
 
 Cold operands as in `benchmarks.cpu_kernels`. Each repeat times both paths in turn over every copy;
-figures are the median (min-max) of the repeats' per-call means, in ms, and best/widened the ratio of
-the medians. Prints a table and one JSON line.
+figures are the median (min-max) of the repeats' per-call means, in ms, and xN the widened path's median
+over each path's. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from benchmarks.cpu_kernels import _copies
 from moelaunch import kernels
 from moelaunch.kernels import selection
 
-WIDENING_PATH = "avx512"
+# The grouped-linear kernel's bf16 paths (it has no tile code: on `amx` it runs its vdpbf16ps code).
+DOT_PATHS = ("avx512_bf16", "avx512")
 
 
 def _pass_ms(fn: Callable[[torch.Tensor], object], operands: list[torch.Tensor]) -> float:
@@ -47,18 +50,18 @@ def _set_path(path: str | None) -> None:
     selection.cpu_isa_path.cache_clear()
 
 
-def compare(fn: Callable[[torch.Tensor], object], operands: list[torch.Tensor], repeats: int) -> dict:
-    """fn's time on the best path and on the widening one, alternating pass by pass."""
-    times: dict[str, list[float]] = {"best": [], "widened": []}
+def compare(
+    fn: Callable[[torch.Tensor], object], operands: list[torch.Tensor], repeats: int, paths: tuple[str, ...]
+) -> dict:
+    """fn's time on each path, alternating pass by pass; the last path is the widening one."""
+    times: dict[str, list[float]] = {path: [] for path in paths}
     for _ in range(repeats):
-        for name, path in (("best", None), ("widened", WIDENING_PATH)):
+        for path in paths:
             _set_path(path)
             fn(operands[0])
-            times[name].append(_pass_ms(fn, operands))
+            times[path].append(_pass_ms(fn, operands))
     _set_path(None)
-    row = {name: {"median": statistics.median(t), "min": min(t), "max": max(t)} for name, t in times.items()}
-    row["speedup"] = row["widened"]["median"] / row["best"]["median"]
-    return row
+    return {path: {"median": statistics.median(t), "min": min(t), "max": max(t)} for path, t in times.items()}
 
 
 def experts(repeats: int) -> list[dict]:
@@ -75,7 +78,12 @@ def experts(repeats: int) -> list[dict]:
             offsets = torch.arange(n_experts + 1) * rows
             fn = lambda s, x=x, o=offsets, g=gated: kernels.grouped_linear(x, s, o, gated=g)  # noqa: E731
             results.append(
-                {"weight": name, "gated": gated, "rows_per_expert": rows, **compare(fn, stacks, repeats)}
+                {
+                    "weight": name,
+                    "gated": gated,
+                    "rows_per_expert": rows,
+                    **compare(fn, stacks, repeats, DOT_PATHS),
+                }
             )
     return results
 
@@ -87,11 +95,11 @@ def linear_rows(repeats: int) -> list[dict]:
         for rows in (1, 8, 32):
             x = torch.randn(rows, k).bfloat16()
             fn = lambda w, x=x: kernels.linear(x, w)  # noqa: E731
-            results.append({"k": k, "n": n, "rows": rows, **compare(fn, weights, repeats)})
+            results.append({"k": k, "n": n, "rows": rows, **compare(fn, weights, repeats, DOT_PATHS)})
     return results
 
 
-def decode(repeats: int) -> list[dict]:
+def decode(repeats: int, paths: tuple[str, ...]) -> list[dict]:
     heads, c_dim, p_dim, block, length = 8, 512, 64, 16, 290
     blocks_per_row = -(-length // block)
     results = []
@@ -109,12 +117,18 @@ def decode(repeats: int) -> list[dict]:
         def fn(c: torch.Tensor, a: tuple = args) -> torch.Tensor:
             return kernels.paged_mla_decode(a[0], a[1], c, a[2], a[3], 0.05)
 
-        results.append({"rows": rows, "cached_tokens": length, **compare(fn, caches, repeats)})
+        results.append({"rows": rows, "cached_tokens": length, **compare(fn, caches, repeats, paths)})
     return results
 
 
-def _cell(t: dict) -> str:
-    return f"{t['median']:7.3f} ({t['min']:.3f}-{t['max']:.3f})"
+def _cells(row: dict, paths: tuple[str, ...]) -> str:
+    """Each path's median (min-max) and the widened (last) path's median over it."""
+    widened = row[paths[-1]]["median"]
+    return "  ".join(
+        f"{path} {row[path]['median']:7.3f} ({row[path]['min']:.3f}-{row[path]['max']:.3f})"
+        + (f" x{widened / row[path]['median']:.2f}" if path != paths[-1] else "")
+        for path in paths
+    )
 
 
 def main() -> None:
@@ -126,33 +140,26 @@ def main() -> None:
     if not kernels.prepare_cpu_kernels():
         raise SystemExit("the CPU kernels are not built (MOELAUNCH_CPU_KERNELS=0 or no compiler)")
     best = selection.CPU_ISA_PATHS[selection.cpu_isa_path()]
-    if best != "avx512_bf16":
+    if best not in ("avx512_bf16", "amx"):
         raise SystemExit(f"this CPU's best kernel path is {best}: no bf16 dot products to compare")
+    decode_paths = ("amx", *DOT_PATHS) if best == "amx" else DOT_PATHS
     with torch.no_grad():
         report = {
             "experts": experts(opts.repeats),
             "linear": linear_rows(opts.repeats),
-            "decode": decode(opts.repeats),
+            "decode": decode(opts.repeats, decode_paths),
         }
     print(f"load average {os.getloadavg()[0]:.2f}; ms per call, median (min-max) of {opts.repeats}")
-    print("16 experts, bf16 rows and weights: avx512_bf16 vs widened (avx512)")
+    print("16 experts, bf16 rows and weights")
     for r in report["experts"]:
-        print(
-            f"  {r['weight']:8s} gated={r['gated']!s:5s} rows/expert={r['rows_per_expert']:3d}  "
-            f"bf16 dot {_cell(r['best'])}  widened {_cell(r['widened'])}  x{r['speedup']:.2f}"
-        )
+        shape = f"{r['weight']:8s} gated={r['gated']!s:5s} rows/expert={r['rows_per_expert']:3d}"
+        print(f"  {shape}  {_cells(r, DOT_PATHS)}")
     print("few-row linear, bf16")
     for r in report["linear"]:
-        print(
-            f"  K={r['k']:4d} N={r['n']:5d} rows={r['rows']:3d}  bf16 dot {_cell(r['best'])}  "
-            f"widened {_cell(r['widened'])}  x{r['speedup']:.2f}"
-        )
+        print(f"  K={r['k']:4d} N={r['n']:5d} rows={r['rows']:3d}  {_cells(r, DOT_PATHS)}")
     print("paged MLA decode, one layer, bf16 queries and cache")
     for r in report["decode"]:
-        print(
-            f"  rows={r['rows']:3d}  bf16 dot {_cell(r['best'])}  widened {_cell(r['widened'])}  "
-            f"x{r['speedup']:.2f}"
-        )
+        print(f"  rows={r['rows']:3d}  {_cells(r, decode_paths)}")
     print(json.dumps(report))
 
 

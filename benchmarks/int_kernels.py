@@ -49,7 +49,7 @@ def _linear_row(x: torch.Tensor, weights: dict[str, list], repeats: int, best: s
         "w8a8_ms": _best_ms(lambda qs: kernels.w8a8_linear(x, *qs), int8, repeats),
         "int4_ms": _best_ms(lambda p: kernels.int4_linear(x, *p, kernels.INT4_GROUP_SIZE), int4, repeats),
     }
-    if best in ("avx512", "avx512_bf16"):
+    if best in ("avx512", "avx512_bf16", "amx"):
         int8_avx2 = lambda: _best_ms(lambda qs: kernels.int8_linear(x, *qs), int8, repeats)  # noqa: E731
         row["int8_avx2_ms"] = _forced("avx2", int8_avx2)
     return row

@@ -26,7 +26,8 @@ from moelaunch.kernels import cpu_extension, grouped_linear_cpu, mla_decode_cpu,
 from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.kernels.selection import CPU_ISA_PATHS
 
-HAS_BF16_DOT = PATHS_HERE[-1] == "avx512_bf16"
+HAS_BF16_DOT = "avx512_bf16" in PATHS_HERE
+HAS_AMX = "amx" in PATHS_HERE
 
 
 @pytest.fixture(params=PATHS_HERE)
@@ -106,7 +107,7 @@ def test_paged_mla_decode_bf16_matches_exact_softmax(isa_path, c_dim, p_dim, blo
         b.q_latent, b.q_pe, b.cache, b.block_table, b.seq_lens.long(), scale, None, selection.cpu_isa_path()
     )
     exact, bound = _naive_decode(b, scale)
-    if isa_path == "avx512_bf16":
+    if isa_path in ("avx512_bf16", "amx"):
         bound = bound + U_BF16 * weighted_spread(b, scale, exact)
     assert_within(out, exact, bound)
 

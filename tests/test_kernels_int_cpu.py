@@ -37,6 +37,8 @@ def _paths_of_this_cpu() -> list[str]:
             paths.append("avx512")
             if "avx512_bf16" in flags:  # the integer kernels run their avx512 code on it
                 paths.append("avx512_bf16")
+                if {"amx_tile", "amx_bf16"} <= flags:  # MLA decode's tiles; Linux >= 5.16 grants them
+                    paths.append("amx")
     return paths
 
 

@@ -119,14 +119,23 @@ def _lens_and_sharing(block_size: int) -> tuple[list[int], list[int]]:
     return [1, block_size, 2 * block_size + 3, 32, 69, 70], [0, 0, 1, 2, 3, 3]
 
 
-def _naive_decode(b: PagedBatch, scale: float) -> tuple[Tensor, Tensor]:
-    """Per row and head, softmax over the row's contiguous prefix in float64, and the bound on an fp32
-    computation's error (tests/error_bounds.py): ([R, H, C], [R, H, C])."""
+def _attended(b: PagedBatch, starts: list[int] | None) -> list[tuple[int, Tensor]]:
+    """(row, its tokens [start, length) as stored) for every row."""
+    firsts = starts or [0] * len(b.row_seq)
+    return [
+        (r, b.seqs[s][first:n])
+        for r, (n, s, first) in enumerate(zip(b.seq_lens.tolist(), b.row_seq, firsts, strict=True))
+    ]
+
+
+def _naive_decode(b: PagedBatch, scale: float, starts: list[int] | None = None) -> tuple[Tensor, Tensor]:
+    """Per row and head, softmax over the row's contiguous tokens (from its start, default 0) in float64,
+    and the bound on an fp32 computation's error (tests/error_bounds.py): ([R, H, C], [R, H, C])."""
     rows, heads, c_dim = b.q_latent.shape
     out = torch.empty(rows, heads, c_dim, dtype=torch.float64)
     bound = torch.empty_like(out)
-    for r, (n, s) in enumerate(zip(b.seq_lens.tolist(), b.row_seq, strict=True)):
-        tokens = b.seqs[s][:n].float()
+    for r, tokens in _attended(b, starts):
+        tokens = tokens.float()
         queries = torch.cat([b.q_latent[r], b.q_pe[r]], dim=-1).float()  # [H, C + P]
         logits = scale * (queries.double() @ tokens.double().T)
         c = tokens[:, :c_dim].double()
@@ -135,13 +144,14 @@ def _naive_decode(b: PagedBatch, scale: float) -> tuple[Tensor, Tensor]:
     return out, bound
 
 
-def weighted_spread(b: PagedBatch, scale: float, exact: Tensor) -> Tensor:
+def weighted_spread(b: PagedBatch, scale: float, exact: Tensor, starts: list[int] | None = None) -> Tensor:
     """sum_t w_t |v_t - out| per row, head and column: how far rounding each softmax weight w_t to bf16
-    (the C++ kernel's AVX512-BF16 path) can move the average, in units of the relative rounding error."""
+    (the C++ kernel's AVX512-BF16 and AMX paths) can move the average, in units of the relative rounding
+    error."""
     spread = torch.empty_like(exact)
     c_dim = exact.shape[-1]
-    for r, (n, s) in enumerate(zip(b.seq_lens.tolist(), b.row_seq, strict=True)):
-        tokens = b.seqs[s][:n].double()
+    for r, tokens in _attended(b, starts):
+        tokens = tokens.double()
         queries = torch.cat([b.q_latent[r], b.q_pe[r]], dim=-1).double()
         weights = (scale * queries @ tokens.T).softmax(dim=-1)  # [H, n]
         values = tokens[:, :c_dim]
@@ -335,14 +345,14 @@ def test_cpu_paths_match_naive_loop(heads, c_dim, p_dim, block_size, scale):
 
 def test_bf16_matches_naive_loop(path):
     """bf16 in and out, fp32 sums inside: the fp32 bound plus the final rounding to bf16 (2^-9 relative to
-    nearest, 2^-8 where a cast truncates); on the C++ kernel's AVX512-BF16 path also the rounding of each
-    softmax weight to bf16 (tests/test_kernels_bf16_dot.py)."""
+    nearest, 2^-8 where a cast truncates); on the C++ kernel's AVX512-BF16 and AMX paths also the rounding of
+    each softmax weight to bf16 (tests/test_kernels_bf16_dot.py)."""
     g = torch.Generator().manual_seed(11)
     b = _paged_batch(g, 4, 64, 16, 16, *_lens_and_sharing(16), dtype=torch.bfloat16)
     out = kernels.paged_mla_decode(*b.args(), 0.125)
     assert out.dtype == torch.bfloat16
     expected, bound = _naive_decode(b, 0.125)
-    if path == "cpu" and CPU_ISA_PATHS[cpu_isa_path()] == "avx512_bf16":
+    if path == "cpu" and cpu_isa_path() >= CPU_ISA_PATHS.index("avx512_bf16"):
         bound = bound + U_BF16 * weighted_spread(b, 0.125, expected)
     assert_within(out, expected, bound + U_BF16 * (expected.abs() + bound))
 

@@ -29,8 +29,9 @@ from moelaunch.kernels.triton_interpreter import interpreting
 # it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
 LINEAR_KERNEL_MAX_ROWS = 32
 # The C++ kernels' instruction-set paths (csrc/cpu_isa.h), in the order of their numbers: avx512_bf16
-# adds bf16 dot products (vdpbf16ps) to avx512; MOELAUNCH_CPU_ISA=avx512 forces the widening fp32 path.
-CPU_ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16")
+# adds bf16 dot products (vdpbf16ps) to avx512, amx the AMX tiles to that; MOELAUNCH_CPU_ISA=avx512
+# forces the widening fp32 path.
+CPU_ISA_PATHS = ("scalar", "avx2", "avx512", "avx512_bf16", "amx")
 
 
 def use_triton(t: Tensor) -> bool:
@@ -59,8 +60,8 @@ def int_linear_on_cpu(x: Tensor) -> bool:
 @functools.cache
 def cpu_isa_path() -> int:
     """The C++ kernels' instruction-set path: the fastest this machine's build has, unless
-    MOELAUNCH_CPU_ISA names a slower one (scalar | avx2 | avx512 | avx512_bf16), so that a machine can run
-    and test its fallbacks.
+    MOELAUNCH_CPU_ISA names a slower one (scalar | avx2 | avx512 | avx512_bf16 | amx), so that a machine
+    can run and test its fallbacks.
 
     Decided once per process (it is asked on every projection); after changing MOELAUNCH_CPU_ISA, call
     cpu_isa_path.cache_clear()."""
@@ -85,10 +86,10 @@ def kernel_isa_path() -> int:
 
 
 def bf16_dot_products() -> bool:
-    """Whether the C++ kernels multiply bf16 pairs (AVX512-BF16). Then fp32 rows meeting bf16 weights or a
-    bf16 cache are rounded to bf16 first, as oneDNN's bf16 GEMM rounds its input for many rows: half the
-    bytes, twice the products per instruction, within the bf16 model's own rounding."""
-    return kernel_isa_path() == CPU_ISA_PATHS.index("avx512_bf16")
+    """Whether the C++ kernels multiply bf16 pairs (AVX512-BF16, or AMX above it). Then fp32 rows meeting
+    bf16 weights or a bf16 cache are rounded to bf16 first, as oneDNN's bf16 GEMM rounds its input for
+    many rows: half the bytes, twice the products per instruction, within the bf16 model's own rounding."""
+    return kernel_isa_path() >= CPU_ISA_PATHS.index("avx512_bf16")
 
 
 def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:

@@ -55,11 +55,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual + base + the routing-weighted sum of each token's expert outputs", py::arg("y"), py::arg("slot"),
         py::arg("weights"), py::arg("base") = py::none(), py::arg("residual") = py::none());
   m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "(x + y, RMSNorm(x + y)) of fp32 rows");
-  // `path` (cpu_isa.h): 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, -1 the best built.
+  // `path` (cpu_isa.h): 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AMX, -1 the best built.
   m.def("cpu_isa_best_path", [] { return static_cast<int64_t>(moelaunch::isa::best_path()); },
         "the best instruction-set path this build has");
   m.def("bf16_dot_calls", [] { return moelaunch::isa::bf16_dot_calls().load(); },
         "how many kernel calls ran their products through vdpbf16ps (AVX512-BF16)");
+  m.def("amx_calls", [] { return moelaunch::isa::amx_calls().load(); },
+        "how many kernel calls ran their products through the AMX tiles");
   // Integer weights (int_linear_cpu.cpp).
   m.def("int8_linear_cpu", &int8_linear_cpu, "x @ (q * scale)^T per group of rows, int8 weights");
   m.def("int4_linear_cpu", &int4_linear_cpu, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");

@@ -1,6 +1,10 @@
 // The instruction-set paths of the CPU kernels, one ladder for all (selection.CPU_ISA_PATHS names them,
 // MOELAUNCH_CPU_ISA forces a lower one). The integer-weight kernels take each as a small traits struct
 // of float-vector operations, so that one kernel template serves every path:
+// - Amx: Avx512Bf16 plus the AMX tile unit (AMX-TILE, AMX-BF16), 16 x 16 x 32 bf16 products per
+//   instruction, used by MLA decode over a bf16 cache (mla_decode_amx.h); the other kernels run their
+//   Avx512Bf16 code on it. Linux hands a process the tiles' state only when asked (amx_permitted): an
+//   older kernel that refuses leaves the ladder at Avx512Bf16;
 // - Avx512Bf16: AVX-512 plus vdpbf16ps (AVX512-BF16), bf16 x bf16 dot products with fp32 sums, used by
 //   the grouped-linear and MLA decode kernels when both operands are bf16 (bf16_dot.h); the integer
 //   kernels have nothing to gain from it and run their Avx512 code;
@@ -28,10 +32,15 @@
 #if defined(MOELAUNCH_HAS_AVX512) && defined(__AVX512BF16__)
 #define MOELAUNCH_HAS_AVX512_BF16 1
 #endif
+#if defined(MOELAUNCH_HAS_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MOELAUNCH_HAS_AMX 1
+#endif
 
 namespace moelaunch::isa {
 
-enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 
 struct Scalar {
   using F = float;
@@ -94,8 +103,23 @@ struct Avx512 {
 };
 #endif
 
+#ifdef MOELAUNCH_HAS_AMX
+// Whether Linux lets this process use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, kernels 5.16 and later): without it the first tile instruction faults. Asked once.
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return permitted;
+}
+#endif
+
 // The best path this build and CPU have.
 inline Path best_path() {
+#ifdef MOELAUNCH_HAS_AMX
+  if (amx_permitted()) return kAmx;
+#endif
 #ifdef MOELAUNCH_HAS_AVX512_BF16
   return kAvx512Bf16;
 #elif defined(MOELAUNCH_HAS_AVX512)
@@ -117,6 +141,12 @@ inline Path resolve(int64_t path) {
 
 // Calls whose products ran through vdpbf16ps, for tests to see that the dispatch took that path.
 inline std::atomic<int64_t>& bf16_dot_calls() {
+  static std::atomic<int64_t> calls{0};
+  return calls;
+}
+
+// Calls whose products ran through the AMX tiles, likewise.
+inline std::atomic<int64_t>& amx_calls() {
   static std::atomic<int64_t> calls{0};
   return calls;
 }

@@ -206,7 +206,7 @@ torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::T
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[groups] == x.size(0), "offsets must start at 0 and end at x's row count");
   const bool bf16_dot = x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 &&
-                        isa::resolve(path) == isa::kAvx512Bf16;
+                        isa::resolve(path) >= isa::kAvx512Bf16;
   if (!bf16_dot) x = x.to(torch::kFloat32);  // no copy when it already is
   const auto fp32 = x.options().dtype(torch::kFloat32);
   auto out = torch::empty({x.size(0), gated ? n / 2 : n}, fp32);

@@ -11,10 +11,11 @@
 // loop instead re-reads every token once per head and stores its accumulator after every FMA, which
 // left the FMA units mostly idle.
 //
-// Two paths compute the products (chosen per call, cpu_isa.h). A bf16 query over a bf16 cache takes
+// Three paths compute the products (chosen per call, cpu_isa.h). A bf16 query over a bf16 cache takes
 // vdpbf16ps where the CPU has AVX512-BF16 (Bf16Attention): scores as bf16 dot products with fp32 sums,
 // and the weighted sum with each softmax weight rounded to bf16 (relative error <= 2^-9 per weight;
-// the running sum adds the rounded weights, so they still sum to one). Everything else widens bf16 to
+// the running sum adds the rounded weights, so they still sum to one); where the CPU also has AMX
+// tiles, the same products run as tile multiplies (mla_decode_amx.h). Everything else widens bf16 to
 // fp32 (WidenAttention).
 #include <torch/extension.h>
 
@@ -33,7 +34,9 @@
 
 #include "bf16_dot.h"
 #include "cpu_isa.h"
+#include "mla_decode_amx.h"
 #include "prefetch.h"
+#include "scratch.h"
 #include "simd.h"
 
 namespace {
@@ -44,6 +47,7 @@ using moelaunch::in_register;
 using moelaunch::lane_sums;
 using moelaunch::kLanes;
 using moelaunch::load8;
+using moelaunch::Scratch;
 using moelaunch::SpreadPrefetcher;
 using moelaunch::store8;
 using moelaunch::to_float;
@@ -131,23 +135,6 @@ inline void weighted_sum(const float* probs, int64_t stride, const cache_t* toke
     }
   }
 }
-
-// Per-task scratch values on 64-byte boundaries: a vector load that straddles two cache lines costs two,
-// which made score tiles a third slower when the queries sat 16 bytes off.
-template <typename T = float>
-class Scratch {
- public:
-  explicit Scratch(int64_t n) : lines_((n * static_cast<int64_t>(sizeof(T)) + kLine - 1) / kLine) {}
-  T* data() { return reinterpret_cast<T*>(lines_.data()); }
-  void zero() { std::fill(lines_.begin(), lines_.end(), Line{}); }
-
- private:
-  static constexpr int64_t kLine = 64;
-  struct alignas(kLine) Line {
-    float v[kLine / sizeof(float)];
-  };
-  std::vector<Line> lines_;
-};
 
 // An fp8 (e4m3fn) cache: bytes, dequantized a block at a time into fp32 scratch (below).
 struct Fp8Cache {
@@ -355,20 +342,8 @@ struct Bf16Attention {
     return (n + 2) / 3 * (width / bf16::kStep) + (n + 1) / 2 * (c_dim / (2 * kCols));
   }
 
-  // Within each 128-bit lane L of a chunk's 32 columns c..c+31, vpunpcklwd took columns c+8L..c+8L+3
-  // into the first vector's lanes 4L..4L+3, vpunpckhwd columns c+8L+4..c+8L+7 into the second's.
   static void write_out(const float* acc, float inv, int64_t c_dim, float* out) {
-    for (int64_t c = 0; c < c_dim; c += kCols) {
-      const float* lo = acc + c;
-      const float* hi = lo + 16;
-      for (int lane = 0; lane < 4; ++lane) {
-        for (int i = 0; i < 4; ++i) {
-          const int64_t col = c + 8 * lane + i;
-          if (col < c_dim) out[col] = lo[4 * lane + i] * inv;
-          if (col + 4 < c_dim) out[col + 4] = hi[4 * lane + i] * inv;
-        }
-      }
-    }
+    bf16::write_interleaved_columns(acc, inv, c_dim, out);
   }
 };
 #endif
@@ -512,8 +487,9 @@ void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, co
 // q_latent [R, H, C] and q_pe [R, H, P] fp32 or bf16 (both alike); cache [num_blocks, block_size, C + P]
 // fp32 or bf16; block_table [R, max_blocks] int32/int64; seq_lens [R] int64 (>= 1); starts [R] int64
 // (< seq_lens), the first position each row attends to (default 0); path: cpu_isa.h's (-1: the best
-// built). Returns [R, H, C] fp32. bf16 queries over a bf16 cache run vdpbf16ps on the AVX512-BF16 path;
-// other bf16 queries are widened first.
+// built). Returns [R, H, C] fp32. bf16 queries over a bf16 cache run the AMX tiles on the Amx path
+// (mla_decode_amx.h; where C and C + P are multiples of 32) and vdpbf16ps on the AVX512-BF16 path (and on
+// the Amx path for other shapes); other bf16 queries are widened first.
 torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                    torch::Tensor block_table, torch::Tensor seq_lens, double scale,
                                    c10::optional<torch::Tensor> starts, int64_t path) {
@@ -531,8 +507,29 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
   const int64_t* first = starts ? starts->data_ptr<int64_t>() : nullptr;
   auto out = torch::empty(q_latent.sizes(), q_latent.options().dtype(torch::kFloat32));
   const float s = static_cast<float>(scale);
+  const isa::Path resolved = isa::resolve(path);
   [[maybe_unused]] const bool bf16_dot = q_dtype == torch::kBFloat16 && cache.scalar_type() == torch::kBFloat16 &&
-                        isa::resolve(path) == isa::kAvx512Bf16;
+                                         resolved >= isa::kAvx512Bf16;
+#ifdef MOELAUNCH_HAS_AMX
+  const int64_t c_dim = q_latent.size(2);
+  if (bf16_dot && resolved == isa::kAmx && moelaunch::mla_amx::fits(c_dim + q_pe.size(2), c_dim)) {
+    ++isa::amx_calls();
+    auto run = [&](const auto* table) {
+      moelaunch::mla_amx::decode_rows(
+          reinterpret_cast<const c10::BFloat16*>(q_latent.data_ptr()),
+          reinterpret_cast<const c10::BFloat16*>(q_pe.data_ptr()),
+          reinterpret_cast<const c10::BFloat16*>(cache.data_ptr()), table, seq_lens.data_ptr<int64_t>(), first,
+          out.data_ptr<float>(), q_latent.size(0), q_latent.size(1), c_dim, q_pe.size(2), cache.size(1),
+          block_table.size(1), s);
+    };
+    if (block_table.scalar_type() == torch::kInt32) {
+      run(block_table.data_ptr<int32_t>());
+    } else {
+      run(block_table.data_ptr<int64_t>());
+    }
+    return out;
+  }
+#endif
 #ifdef MOELAUNCH_HAS_AVX512_BF16
   if (bf16_dot) {
     ++isa::bf16_dot_calls();

@@ -16,6 +16,10 @@ using vec8 = float __attribute__((vector_size(32)));
 using u16x8 = uint16_t __attribute__((vector_size(16)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
 using i32x8 = int32_t __attribute__((vector_size(32)));
+// Sixteen lanes, for kernels that keep one value per attention head of a 16-head group.
+using vec16 = float __attribute__((vector_size(64)));
+using i32x16 = int32_t __attribute__((vector_size(64)));
+using u32x16 = uint32_t __attribute__((vector_size(64)));
 
 inline vec8 load8(const float* p) {
   vec8 v;
@@ -67,26 +71,31 @@ inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 // e^x for x <= 0 (softmax weights after subtracting the max), relative error ~2e-7: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by its Taylor series to degree 7, 2^n built in the exponent bits. Below -87 the
-// result is clamped to ~1e-38 instead of flushing to zero, which no softmax sum can notice.
-inline vec8 exp8(vec8 x) {
+// result is clamped to ~1e-38 instead of flushing to zero, which no softmax sum can notice. V is a float
+// vector type, I and U the int32 and uint32 vectors of its width.
+template <typename V, typename I, typename U>
+inline V exp_lanes(V x) {
   constexpr float kLog2e = 1.44269504f, kLn2 = 0.69314718f;
   x = x < -87.f ? -87.f : x;
-  const vec8 t = x * kLog2e + 0.5f;
-  vec8 n = __builtin_convertvector(__builtin_convertvector(t, i32x8), vec8);  // toward zero
-  n = n > t ? n - 1.f : n;                                                     // floor: round to nearest
-  const vec8 r = x - n * kLn2;
-  vec8 p = r * (1.f / 5040.f) + 1.f / 720.f;
+  const V t = x * kLog2e + 0.5f;
+  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);  // toward zero
+  n = n > t ? n - 1.f : n;                                           // floor: round to nearest
+  const V r = x - n * kLn2;
+  V p = r * (1.f / 5040.f) + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const u32x8 bits = __builtin_convertvector(__builtin_convertvector(n, i32x8) + 127, u32x8) << 23;
-  vec8 scale;
+  const U bits = __builtin_convertvector(__builtin_convertvector(n, I) + 127, U) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
 }
+
+inline vec8 exp8(vec8 x) { return exp_lanes<vec8, i32x8, u32x8>(x); }
+inline vec16 exp16(vec16 x) { return exp_lanes<vec16, i32x16, u32x16>(x); }
 
 // o[0:n] = silu(g[0:n]) * u[0:n], sigmoid(g) from e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
 // e / (1 + e) below. One definition for the SiLU gate kernel and the grouped GEMM's gated epilogue.
