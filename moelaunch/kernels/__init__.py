@@ -50,6 +50,7 @@ from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_
 from moelaunch.kernels.moe_grouped import moe_experts, moe_grouped_gemm
 from moelaunch.kernels.paged_store import store_rows
 from moelaunch.kernels.selection import (
+    bf16_gemm_units,
     grouped_linear_on_cpu,
     int_linear_on_cpu,
     prepare_cpu_kernels,
@@ -59,6 +60,7 @@ from moelaunch.kernels.selection import (
 
 __all__ = [
     "add_rms_norm",
+    "bf16_gemm_units",
     "BLOCK_SIZE",
     "FP8_KV_DTYPE",
     "FP8_MAX",

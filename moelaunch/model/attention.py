@@ -203,15 +203,19 @@ class MLA(nn.Module):
             uk_t, uv = self._decode_heads.get(w_uk, w_uv, held, w_uk.dtype)
             q_latent = per_head_linear(q_nope, uk_t)
         else:
-            if w_uk.dtype != q_nope.dtype:  # kept in the rows' dtype, not converted on every step
-                w_uk, w_uv = self._decode_einsum.get(w_uk, w_uv, held, q_nope.dtype)
-            q_latent = torch.einsum("rhd,hdc->rhc", q_nope, w_uk)
+            if w_uk.dtype != q_nope.dtype:
+                # fp32 rows meet bf16 weights as bf16 where the CPU has bf16 units (oneDNN's bf16 GEMM;
+                # the bf16 queries go on into the kernel as they are), elsewhere fp32 weights: either
+                # way contiguous stacks made once, not converted or gathered on every step.
+                dtype = w_uk.dtype if kernels.bf16_gemm_units(q_nope) else q_nope.dtype
+                w_uk, w_uv = self._decode_einsum.get(w_uk, w_uv, held, dtype)
+            q_latent = torch.einsum("rhd,hdc->rhc", q_nope.to(w_uk.dtype), w_uk)
         out_latent = layout.cache.decode(
             layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale, decodes.rows_per_table
         )
         if heads_kernel:
             return per_head_linear(out_latent, uv)
-        return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv)
+        return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv).to(q_nope.dtype)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, C] and W_UV [H, v, C]."""

@@ -34,8 +34,9 @@ class DecodeHeadWeights:
     weight (and again only if that weight is replaced): a copy of kv_b's size, in that dtype.
 
     per_head_stacks: W_UK^T [H, C, nope] and W_UV [H, v, C] as contiguous stacks for `per_head_linear`;
-    else both as sliced from kv_b ([H, nope, C], [H, v, C]) for the einsums of the many-row path, whose
-    fp32 rows under bf16 weights (the CPU's bf16) would otherwise convert both on every step."""
+    else W_UK [H, nope, C] and W_UV [H, v, C], contiguous, for the einsums of the many-row path, whose
+    fp32 rows under bf16 weights (the CPU's bf16) would otherwise convert both on every step, or gather
+    the strided slices of kv_b (the bf16 GEMM's copy of each)."""
 
     def __init__(self, per_head_stacks: bool = True) -> None:
         self.per_head_stacks = per_head_stacks
@@ -57,4 +58,4 @@ class DecodeHeadWeights:
     def _made(self, w_uk: Tensor, w_uv: Tensor) -> tuple[Tensor, Tensor]:
         if self.per_head_stacks:
             return w_uk.transpose(1, 2).contiguous(), w_uv.contiguous()
-        return w_uk, w_uv
+        return w_uk.contiguous(), w_uv.contiguous()
