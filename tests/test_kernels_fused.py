@@ -65,6 +65,23 @@ def test_silu_mul_over_the_whole_range():
     torch.testing.assert_close(ext.silu_mul_cpu(gate, up), ref.silu_mul_ref(gate, up))
 
 
+def test_silu_mul_of_bf16_rows_is_the_fp32_result_rounded_once():
+    """bf16 gate and up (a bf16 GEMM's output, strided halves of it): widened, gated in fp32, and the
+    product rounded to bf16 once: equal to rounding the fp32 kernel's result, within one bf16 step
+    where the two fp32 results round differently (they agree to ~1e-7)."""
+    gate_up = (torch.randn(33, 2 * 21) * 20).bfloat16()
+    gate_up[0, :4] = torch.tensor([0.0, -200.0, 200.0, -0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = kernels.silu_mul(gate, up)
+    assert out.dtype == torch.bfloat16
+    expected = ref.silu_mul_ref(gate.float(), up.float())
+    # atol: silu(-200) is ~1e-36 where the kernel clamps e^-x (see simd.h), 0 in torch.
+    torch.testing.assert_close(out.float(), expected.bfloat16().float(), rtol=2**-7, atol=1e-30)
+    assert (out.float() == expected.bfloat16().float()).float().mean() > 0.99
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        ext.silu_mul_cpu(gate, up.float())
+
+
 @pytest.mark.parametrize("with_base", [True, False])
 def test_moe_combine(with_base):
     tokens, k, d = 13, 3, 20

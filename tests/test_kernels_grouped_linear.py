@@ -143,6 +143,18 @@ def test_gated_linear_dispatch(monkeypatch):
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_gated_linear_after_a_bf16_gemm_stays_bf16():
+    """fp32 rows past the kernel's rows on a bf16 weight: a bf16 GEMM whose output goes through the SiLU
+    gate in bf16 (what the down projection reads), within bf16's rounding of the exact gate."""
+    weight = torch.randn(24, 16).bfloat16()
+    x = torch.randn(LINEAR_KERNEL_MAX_ROWS + 1, 16)
+    out = kernels.linear(x, weight, gated=True)
+    assert out.dtype == torch.bfloat16
+    products = x.bfloat16().double() @ weight.double().T
+    expected = F.silu(products[:, :12]) * products[:, 12:]
+    torch.testing.assert_close(out.double(), expected, rtol=2**-6, atol=2**-6)
+
+
 def test_gated_kernel_refuses_an_odd_width():
     with pytest.raises(RuntimeError, match="N must be even"):
         x, odd = torch.randn(2, 8), torch.randn(1, 5, 8)

@@ -170,7 +170,12 @@ def rotate_tail_on_cpu(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
 
 
 def silu_mul_on_cpu(gate: Tensor, up: Tensor) -> bool:
-    return gate.dim() == 2 and gate.stride(-1) == 1 and up.stride(-1) == 1 and _cpu_kernel_takes(gate, up)
+    """fp32 rows, or bf16 ones (a bf16 GEMM's output on its way to the next one)."""
+    if gate.dim() != 2 or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.dtype != up.dtype:
+        return False
+    if gate.dtype == torch.bfloat16:  # as weights: the dtype check _cpu_kernel_takes makes for bf16
+        return _cpu_kernel_takes(weight=gate) and _cpu_kernel_takes(weight=up)
+    return _cpu_kernel_takes(gate, up)
 
 
 def moe_combine_on_cpu(y: Tensor, weights: Tensor, base: Tensor | None, residual: Tensor | None) -> bool:

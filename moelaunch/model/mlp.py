@@ -21,8 +21,8 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # set by stack_gate_up(): [gate; up], one product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:  # the SiLU gating in the product's epilogue
-            return self.down_proj(kernels.linear(x, self.gate_up, gated=True))
+        if self.gate_up is not None:  # the SiLU gating in the product's epilogue (bf16 after a bf16 GEMM)
+            return self.down_proj(kernels.linear(x, self.gate_up, gated=True)).to(x.dtype)
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
     @torch.no_grad()

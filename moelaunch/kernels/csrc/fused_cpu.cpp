@@ -186,19 +186,27 @@ torch::Tensor rotate_tail_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor 
   return x;
 }
 
-// gate, up [N, I] -> silu(gate) * up [N, I].
+// gate, up [N, I] -> silu(gate) * up [N, I], all fp32 or all bf16 (computed in fp32, rounded once).
 torch::Tensor silu_mul_cpu(torch::Tensor gate, torch::Tensor up) {
-  check_rows(gate, "gate");
-  check_rows(up, "up");
+  TORCH_CHECK(gate.scalar_type() == up.scalar_type() &&
+                  (gate.scalar_type() == torch::kFloat32 || gate.scalar_type() == torch::kBFloat16),
+              "gate and up must be both fp32 or both bf16");
   TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(), "gate and up must be the same [N, I]");
+  TORCH_CHECK(gate.stride(-1) == 1 && up.stride(-1) == 1, "gate and up must have a unit stride in their last dimension");
   const int64_t n = gate.size(1), gs = gate.stride(0), us = up.stride(0);
   auto out = torch::empty({gate.size(0), n}, gate.options());
-  const float* gp = gate.data_ptr<float>();
-  const float* upp = up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, gate.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * gs, upp + r * us, n, op + r * n);
-  });
+  auto run = [&](const auto* gp, const auto* upp, auto* op) {
+    at::parallel_for(0, gate.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) silu_mul_row(gp + r * gs, upp + r * us, n, op + r * n);
+    });
+  };
+  if (gate.scalar_type() == torch::kFloat32) {
+    run(gate.data_ptr<float>(), up.data_ptr<float>(), out.data_ptr<float>());
+  } else {
+    using BF16 = c10::BFloat16;
+    run(reinterpret_cast<const BF16*>(gate.data_ptr()), reinterpret_cast<const BF16*>(up.data_ptr()),
+        reinterpret_cast<BF16*>(out.data_ptr()));
+  }
   return out;
 }
 

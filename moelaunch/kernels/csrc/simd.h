@@ -97,9 +97,19 @@ inline V exp_lanes(V x) {
 inline vec8 exp8(vec8 x) { return exp_lanes<vec8, i32x8, u32x8>(x); }
 inline vec16 exp16(vec16 x) { return exp_lanes<vec16, i32x16, u32x16>(x); }
 
+// v rounded to bf16 (to nearest, ties to even; finite values), stored.
+inline void store8(c10::BFloat16* p, vec8 v) {
+  u32x8 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const u16x8 half = __builtin_convertvector((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16, u16x8);
+  std::memcpy(p, &half, sizeof half);
+}
+
 // o[0:n] = silu(g[0:n]) * u[0:n], sigmoid(g) from e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
 // e / (1 + e) below. One definition for the SiLU gate kernel and the grouped GEMM's gated epilogue.
-inline void silu_mul_row(const float* g, const float* u, int64_t n, float* o) {
+// T: float, or bf16 (widened, computed in fp32, the product rounded once).
+template <typename T>
+inline void silu_mul_row(const T* g, const T* u, int64_t n, T* o) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const vec8 v = load8(g + i);
@@ -107,7 +117,10 @@ inline void silu_mul_row(const float* g, const float* u, int64_t n, float* o) {
     const vec8 sig = (v < 0.f ? e : vec8{} + 1.f) / (e + 1.f);
     store8(o + i, v * sig * load8(u + i));
   }
-  for (; i < n; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  for (; i < n; ++i) {
+    const float gi = to_float(g[i]);
+    o[i] = T(gi / (1.f + std::exp(-gi)) * to_float(u[i]));
+  }
 }
 
 }  // namespace moelaunch
