@@ -18,12 +18,9 @@ import os
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from benchmarks.server_process import START_TIMEOUT_S, start_server, stop_server
+from benchmarks.server_process import start_server, stop_server, wait_until_healthy
 from moelaunch.cluster.rendezvous import free_port
 from moelaunch.measure.bench.serve_load import LoadOptions, run_load
 from moelaunch.measure.bench.suite import vllm_attention_backend
@@ -60,18 +57,7 @@ def vllm_server(venv: Path, model: Path, dtype: str, workdir: Path) -> tuple[sub
     log = open(log_path, "w")  # noqa: SIM115 - the server's output, kept while it runs
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_TARGET_DEVICE": "cpu"}
     proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"vLLM's server did not come up:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(1.0)
+    return proc, wait_until_healthy(proc, port, log_path)
 
 
 def load_rounds(url: str, opts: argparse.Namespace) -> list[dict]:

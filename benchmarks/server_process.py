@@ -20,6 +20,12 @@ def start_server(config: Path, port: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "moelaunch.launcher.cli", "serve", str(config)], stdout=log, stderr=log
     )
+    return proc, wait_until_healthy(proc, port, log_path)
+
+
+def wait_until_healthy(proc: subprocess.Popen, port: int, log_path: Path) -> str:
+    """The URL of a server on `port` once its /health answers 200; killed, with its log's tail, if it
+    exits or takes more than START_TIMEOUT_S."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
@@ -28,7 +34,7 @@ def start_server(config: Path, port: int) -> tuple[subprocess.Popen, str]:
             raise SystemExit(f"the server did not come up:\n{log_path.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return url
         except httpx.TransportError:
             pass
         time.sleep(0.5)
