@@ -28,7 +28,7 @@ from moelaunch.engine.constraints import Constraints
 from moelaunch.engine.outputs import NON_FINITE_TOKEN
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.sequence import Sequence
-from moelaunch.model.sampling import RowControls, RowSampling, controlled_logits, next_tokens
+from moelaunch.model.sampling import RowControls, RowSampling, controlled_logits, finite_rows, next_tokens
 from moelaunch.text.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
@@ -203,7 +203,7 @@ def device_tokens(
     """[rows] next tokens on the logits' device (`next_tokens` over the controlled logits), with
     NON_FINITE_TOKEN where the raw logits hold a NaN or inf (broken weights). The eager and the static
     step both sample with this, so a row gets the same token from either."""
-    finite = torch.isfinite(raw).all(dim=-1)
+    finite = finite_rows(raw)
     return torch.where(finite, next_tokens(logits, s, sampled, guess), NON_FINITE_TOKEN)
 
 

@@ -267,3 +267,15 @@ def int4_linear_cpu(
 @int4_linear_cpu.register_fake
 def _(x, packed, scale, zero, offsets, group_size, path) -> Tensor:
     return x.new_empty(x.shape[0], packed.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("moelaunch::argmax_rows_cpu", mutates_args=())
+def argmax_rows_cpu(logits: Tensor) -> tuple[Tensor, Tensor]:
+    index, finite = _ext().argmax_rows_cpu(logits)
+    return index, finite
+
+
+@argmax_rows_cpu.register_fake
+def _(logits: Tensor) -> tuple[Tensor, Tensor]:
+    rows = logits.shape[0]
+    return logits.new_empty(rows, dtype=torch.int64), logits.new_empty(rows, dtype=torch.bool)

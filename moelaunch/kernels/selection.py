@@ -117,6 +117,11 @@ def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     return prepare_cpu_kernels()
 
 
+def row_reductions_on_cpu(x: Tensor) -> bool:
+    """Whether a step's logits [R, V] take the row-reduction kernel: fp32 rows with a unit stride."""
+    return x.dim() == 2 and x.shape[-1] > 0 and x.stride(-1) == 1 and _cpu_kernel_takes(x)
+
+
 def paged_mla_decode_on_cpu(q_latent: Tensor) -> bool:
     """Whether paged MLA decode takes the C++ kernel: it reads fp32, bf16 and fp8 caches (the last with
     their scales)."""

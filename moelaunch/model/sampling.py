@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moelaunch import kernels
+
 
 @dataclass
 class RowControls:
@@ -164,7 +166,7 @@ def next_tokens(
     sampled: whether any row samples (False skips the draw). guess: [rows] a draft token per row (-1:
     none), kept with probability p(guess), else the draw is from p without it (exact rejection
     sampling of a point guess); a greedy row's argmax is compared with its guess by the caller."""
-    best = logits.argmax(-1)
+    best = kernels.row_argmax(logits)
     if not sampled:
         return best
     greedy = s.temperature <= 0
@@ -179,6 +181,11 @@ def next_tokens(
     keep = uniform(s.seed, s.position, ACCEPT) < p_guess
     drawn = torch.where(keep, guess, inverse_cdf(probs.masked_fill(at_guess, 0.0), u))
     return torch.where(greedy, best, drawn)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: whether each row of logits holds neither NaN nor inf (broken weights)."""
+    return kernels.rows_finite(logits)
 
 
 def sample(logits: torch.Tensor, temperature: float, seed: int = 0, position: int = 0) -> int:

@@ -35,6 +35,7 @@ std::vector<torch::Tensor> moe_gate_cpu(torch::Tensor x, torch::Tensor weight, c
                                         int64_t top_k, int64_t n_groups, int64_t topk_groups, bool sigmoid,
                                         bool normalize, double scale);
 std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids, int64_t n_experts);
+std::vector<torch::Tensor> argmax_rows_cpu(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU",
@@ -70,4 +71,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route_cpu", &moe_route_cpu, "MoE router after its GEMM: scores, groups, top-k, weights");
   m.def("moe_gate_cpu", &moe_gate_cpu, "the router's GEMM, then moe_route_cpu");
   m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, "(token, expert) pairs sorted by expert, their rows gathered");
+  m.def("argmax_rows_cpu", &argmax_rows_cpu, "each row's first maximum (or first NaN) and whether it is finite");
 }
