@@ -4,7 +4,8 @@ The torch reference pads every row's cache into one dense tensor and reads it se
 64 that copy is most of a decode step. The kernel reads each cached token once, from its block, with
 an online softmax; an fp8 cache's block is dequantized in the kernel (1 byte per value read). bf16
 queries over a bf16 cache multiply in bf16 pairs (vdpbf16ps, fp32 sums, softmax weights rounded to bf16)
-on a CPU with AVX512-BF16, unless MOELAUNCH_CPU_ISA forces a lower path.
+on a CPU with AVX512-BF16, through the AMX tiles on one with AMX-BF16 (widths multiples of 32), unless
+MOELAUNCH_CPU_ISA forces a lower path.
 """
 
 from __future__ import annotations

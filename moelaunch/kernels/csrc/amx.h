@@ -4,9 +4,11 @@
 #include "cpu_isa.h"
 
 #ifdef MOELAUNCH_HAS_AMX
+#include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace moelaunch::amx {
 
@@ -41,6 +43,59 @@ class Tiles {
     uint8_t rows[16];
   };
 };
+
+// bf16 values per tile row, and 32-bit values (bf16 pairs, or fp32) in one tile.
+constexpr int64_t kSlice = 32;
+constexpr int64_t kTileValues = kTileRows * kTileRowBytes / 4;
+
+// Up to 16 rows of k bf16 values (`rows` of them, row i at src + i * stride) as B tiles: per 32-value
+// slice s, tile row j holds each source row's values 2j and 2j + 1 of the slice, one 32-bit pair per
+// column (scattered into it); columns past `rows` are zeros. k is a multiple of 32.
+inline void pack_pairs(const c10::BFloat16* src, int64_t rows, int64_t stride, int64_t k, uint32_t* tiles) {
+  const int64_t slices = k / kSlice;
+  if (rows < kTileRows) std::memset(tiles, 0, slices * kTileValues * sizeof(uint32_t));
+  const __m512i columns = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTileRows));
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t s = 0; s < slices; ++s) {
+      _mm512_i32scatter_epi32(tiles + s * kTileValues + i, columns, _mm512_loadu_si512(src + i * stride + s * kSlice),
+                              sizeof(uint32_t));
+    }
+  }
+}
+
+// Two products against the same packed B tiles, 16 x 16 fp32 each, stored at c0 and c1 (64-byte rows):
+// C = sum over the 32-value slices of A (16 rows of bf16 from a0 or a1, a row `a_stride` bytes apart) x
+// B (slice s at b + s * kTileValues). Tile registers are not renamed, so a load waits for the multiply
+// reading its register: even slices use registers 2-4, odd ones 5-7, and the two sums (0 and 1) run at
+// once (with one register set the multiplies waited on loads a third of the time).
+inline void pair_products(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_stride, const uint32_t* b,
+                          int64_t slices, float* c0, float* c1) {
+  _tile_zero(0);
+  _tile_zero(1);
+  int64_t s = 0;
+  for (; s + 2 <= slices; s += 2) {
+    _tile_loadd(4, b + s * kTileValues, kTileRowBytes);
+    _tile_loadd(2, a0 + s * kSlice, a_stride);
+    _tile_loadd(3, a1 + s * kSlice, a_stride);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+    _tile_loadd(7, b + (s + 1) * kTileValues, kTileRowBytes);
+    _tile_loadd(5, a0 + (s + 1) * kSlice, a_stride);
+    _tile_loadd(6, a1 + (s + 1) * kSlice, a_stride);
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_dpbf16ps(1, 6, 7);
+  }
+  if (s < slices) {
+    _tile_loadd(4, b + s * kTileValues, kTileRowBytes);
+    _tile_loadd(2, a0 + s * kSlice, a_stride);
+    _tile_loadd(3, a1 + s * kSlice, a_stride);
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+  }
+  _tile_stored(0, c0, kTileRowBytes);
+  _tile_stored(1, c1, kTileRowBytes);
+}
 
 }  // namespace moelaunch::amx
 

@@ -39,10 +39,10 @@ namespace moelaunch::mla_amx {
 using BF16 = c10::BFloat16;
 constexpr int64_t kHeads = 16;   // heads per task: the score tile's columns, the weight tile's rows
 constexpr int64_t kTokens = 16;  // tokens per score tile
-constexpr int64_t kSlice = 32;   // bf16 values per tile row
+constexpr int64_t kSlice = amx::kSlice;  // bf16 values per tile row
 constexpr int64_t kChunks = 2;   // weight tiles per segment (registers 4 and 5)
 constexpr int64_t kSegment = kChunks * kSlice;
-constexpr int64_t kPairTile = kTokens * kHeads;  // 32-bit values in one 16 x 64-byte tile
+constexpr int64_t kPairTile = amx::kTileValues;
 
 inline bool fits(int64_t width, int64_t c_dim) { return width % kSlice == 0 && c_dim % kSlice == 0; }
 
@@ -59,52 +59,11 @@ inline vec16 load16(const float* p) {
   return v;
 }
 
-// One task's queries [heads][width] as B tiles: per 32-value slice s, row i holds each head's values
-// 2i and 2i+1 of the slice (one 32-bit pair per head, scattered into its column); heads past `heads`
-// stay zero.
+// One task's queries [heads][width] ([latent | rope] per head) as B tiles, heads in the columns.
 inline void pack_queries(const BF16* latent, const BF16* rope, int64_t heads, int64_t c_dim, int64_t p_dim,
                          uint32_t* tiles) {
-  const int64_t slices = (c_dim + p_dim) / kSlice;
-  if (heads < kHeads) std::memset(tiles, 0, slices * kPairTile * sizeof(uint32_t));
-  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                          _mm512_set1_epi32(kHeads));
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t s = 0; s < slices; ++s) {
-      const int64_t v = s * kSlice;
-      const BF16* at = v < c_dim ? latent + h * c_dim + v : rope + h * p_dim + (v - c_dim);
-      _mm512_i32scatter_epi32(tiles + s * kPairTile + h, rows, _mm512_loadu_si512(at), sizeof(uint32_t));
-    }
-  }
-}
-
-// Scores of two pieces of 16 cached rows (a and b, rows a stride apart) against the packed queries, into
-// 16 x 16 fp32 tiles at sa and sb. Even slices use registers 2-4, odd ones 5-7.
-inline void score_pieces(const BF16* a, const BF16* b, const uint32_t* queries, int64_t slices, int64_t row_bytes,
-                         float* sa, float* sb) {
-  _tile_zero(0);
-  _tile_zero(1);
-  int64_t s = 0;
-  for (; s + 2 <= slices; s += 2) {
-    _tile_loadd(4, queries + s * kPairTile, amx::kTileRowBytes);
-    _tile_loadd(2, a + s * kSlice, row_bytes);
-    _tile_loadd(3, b + s * kSlice, row_bytes);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
-    _tile_loadd(7, queries + (s + 1) * kPairTile, amx::kTileRowBytes);
-    _tile_loadd(5, a + (s + 1) * kSlice, row_bytes);
-    _tile_loadd(6, b + (s + 1) * kSlice, row_bytes);
-    _tile_dpbf16ps(0, 5, 7);
-    _tile_dpbf16ps(1, 6, 7);
-  }
-  if (s < slices) {
-    _tile_loadd(4, queries + s * kPairTile, amx::kTileRowBytes);
-    _tile_loadd(2, a + s * kSlice, row_bytes);
-    _tile_loadd(3, b + s * kSlice, row_bytes);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
-  }
-  _tile_stored(0, sa, amx::kTileRowBytes);
-  _tile_stored(1, sb, amx::kTileRowBytes);
+  amx::pack_pairs(latent, heads, c_dim, c_dim, tiles);
+  amx::pack_pairs(rope, heads, p_dim, p_dim, tiles + c_dim / kSlice * kPairTile);
 }
 
 // B tiles of tokens[2i] and tokens[2i + 1]'s columns c..c+31 interleaved, i < 16: `lo` and `hi` each 16
@@ -164,8 +123,8 @@ int64_t score_segment(Workspace& ws, const BF16* cache, const index_t* table, in
     }
     float* into = ws.scores.data();
     // A lone piece's twin goes past the segment's rows, where nothing reads it.
-    score_pieces(piece[0], piece[n_pieces - 1], ws.queries.data(), width / kSlice, row_bytes,
-                 into + start[0] * kHeads, into + (n_pieces == 2 ? start[1] : kSegment + kTokens) * kHeads);
+    amx::pair_products(piece[0], piece[n_pieces - 1], row_bytes, ws.queries.data(), width / kSlice,
+                       into + start[0] * kHeads, into + (n_pieces == 2 ? start[1] : kSegment + kTokens) * kHeads);
   }
   for (int64_t t = 0; t < count; ++t) {
     const vec16 s = load16(ws.scores.data() + t * kHeads) * scale;
