@@ -1,7 +1,9 @@
 """Out tokens per second of `LLM.generate` on random prompts, one process, one thread: B prompts of 64
 random token ids, 64 tokens out each, greedy, ignore_eos; the median (min-max) of 3 timed runs after a
-warm-up, prefill included. For A/Bs decided by the environment (e.g. MOELAUNCH_CPU_ISA=avx512 against
-the default), run it once per setting, alternating:
+warm-up. The runs share their prompts, so from the second on the prefix cache holds them: the median
+is mostly decode (what the A/Bs it serves compare); `launch bench` gives fresh prompts every round.
+For A/Bs decided by the environment (e.g. MOELAUNCH_CPU_ISA=avx512 against the default), run it once
+per setting, alternating:
 
     for r in 1 2 3; do MOELAUNCH_CPU_ISA=avx512 python -m benchmarks.generate_rate /tmp/benchm;
       python -m benchmarks.generate_rate /tmp/benchm; done
