@@ -4,11 +4,24 @@ import os
 
 import pytest
 import torch  # loads no Triton
+from cpu_paths import PATHS_HERE
 
 # Triton picks interpreter vs compiled when a kernel is decorated: interpreted only where there is no GPU
 # (the CPU machines, CI), so on a GPU machine the CUDA tests run the compiled kernels.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=PATHS_HERE)
+def isa_path(request, monkeypatch) -> str:
+    """Each instruction-set path this CPU can run (cpu_paths.py), forced in turn through
+    MOELAUNCH_CPU_ISA: the best one and every fallback."""
+    from moelaunch.kernels import selection
+
+    monkeypatch.setenv("MOELAUNCH_CPU_ISA", request.param)
+    selection.cpu_isa_path.cache_clear()
+    yield request.param
+    selection.cpu_isa_path.cache_clear()
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_paths import PATHS_HERE
 from error_bounds import assert_within
-from test_kernels_int_cpu import PATHS_HERE
 from test_kernels_mla_decode import U_BF16, _naive_decode, _paged_batch, weighted_spread
 
 from moelaunch.kernels import cpu_extension, mla_decode_cpu, selection

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_paths import PATHS_HERE
 from error_bounds import assert_within, matmul_error
 from test_kernel_ops import compiled_ops
-from test_kernels_int_cpu import PATHS_HERE
 from test_kernels_mla_decode import U_BF16, _lens_and_sharing, _naive_decode, _paged_batch, weighted_spread
 
 from moelaunch import kernels
@@ -28,15 +28,6 @@ from moelaunch.kernels.selection import CPU_ISA_PATHS
 
 HAS_BF16_DOT = "avx512_bf16" in PATHS_HERE
 HAS_AMX = "amx" in PATHS_HERE
-
-
-@pytest.fixture(params=PATHS_HERE)
-def isa_path(request, monkeypatch) -> str:
-    """Each path this CPU can run, forced in turn (the best one too, by name)."""
-    monkeypatch.setenv("MOELAUNCH_CPU_ISA", request.param)
-    selection.cpu_isa_path.cache_clear()
-    yield request.param
-    selection.cpu_isa_path.cache_clear()
 
 
 def _bf16_dot_calls() -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_paths import PATHS_HERE
 from error_bounds import assert_within, gamma
 
 from moelaunch import kernels
@@ -25,33 +26,6 @@ CASES = [
     ([33], 13, 384, 128),
     ([2, 2], 5, 96, 48),
 ]
-
-
-def _paths_of_this_cpu() -> list[str]:
-    """The paths the CPU's flags allow (what the kernels' build must offer here)."""
-    flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
-    paths = ["scalar"]
-    if {"avx2", "fma"} <= flags:
-        paths.append("avx2")
-        if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
-            paths.append("avx512")
-            if "avx512_bf16" in flags:  # the integer kernels run their avx512 code on it
-                paths.append("avx512_bf16")
-                if {"amx_tile", "amx_bf16"} <= flags:  # MLA decode's tiles; Linux >= 5.16 grants them
-                    paths.append("amx")
-    return paths
-
-
-PATHS_HERE = _paths_of_this_cpu()
-
-
-@pytest.fixture(params=PATHS_HERE)
-def isa_path(request, monkeypatch) -> str:
-    """Each path this CPU can run, forced in turn: the best one and every fallback."""
-    monkeypatch.setenv("MOELAUNCH_CPU_ISA", request.param)
-    selection.cpu_isa_path.cache_clear()
-    yield request.param
-    selection.cpu_isa_path.cache_clear()
 
 
 def test_the_best_path_is_the_cpus_and_paths_it_lacks_are_refused(monkeypatch):
