@@ -18,10 +18,11 @@ from moelaunch.engine.block_manager import BlockManager
 from moelaunch.engine.config import EngineConfig, default_kv_cache_fraction
 from moelaunch.engine.draft_policy import DraftPolicy
 from moelaunch.engine.eplb import apply_placements, check_eplb, rebalanced, redundant_expert_bytes
+from moelaunch.engine.host_heap import HostHeap, long_prompt
 from moelaunch.engine.kv_handoff import CacheEndpoint, KVHandoff
 from moelaunch.engine.kv_peer import KVPeer
 from moelaunch.engine.kv_transport import KVTransferError
-from moelaunch.engine.memory import available_bytes, num_blocks_for, return_large_frees_to_the_os
+from moelaunch.engine.memory import available_bytes, num_blocks_for
 from moelaunch.engine.model_runner import ModelRunner, StepResult
 from moelaunch.engine.outputs import (
     ABORT,
@@ -141,8 +142,6 @@ class LLMEngine:
             raise ValueError("speculative='mtp' needs pp=1 (the MTP layer reads the first stage's embedding)")
         if self.config.eplb is not None:
             check_eplb(self.config.eplb, load_args(weights.model), mesh.shape)
-        if mesh.device.type == "cpu":
-            return_large_frees_to_the_os()  # host RSS then follows the plan's live figures
         self.model = load_shard(weights, mesh, with_mtp=use_mtp)
         # The placements loaded: what a layer on another stage keeps (placements() reports them).
         default, self._loaded_placements = weight_placements(weights, self.model.args, mesh.shape.ep)
@@ -181,6 +180,7 @@ class LLMEngine:
         self._last_step: tuple[int, bool, int, int] | None = None  # rank 0: (batch, drafting, drafted, kept)
         self.stats = EngineStats()  # after each step, on rank 0: every replica's, summed
         self.seqs: dict[int, Sequence] = {}
+        self._host_heap = HostHeap()
         # Front-end state, meaningful on rank 0 only.
         self.requests: dict[str, _RequestState] = {}
         self._seq_owner: dict[int, tuple[str, int]] = {}
@@ -432,6 +432,8 @@ class LLMEngine:
             self._finish(chunk.seq, ERROR)
             updates.append(SeqUpdate(chunk.seq.seq_id, None, None, None, ERROR, failed[chunk.seq.seq_id]))
         drafted, accepted, kind = self.drafted, self.accepted, self._timed_kind(plan)
+        if self.mesh.device.type == "cpu":  # host RSS follows the plan, with few fresh pages
+            self._host_heap.before_step(any(long_prompt(c) for c in plan))
         results = self.runner.step(plan)
         for chunk in plan:
             if not chunk.samples:

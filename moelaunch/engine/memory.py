@@ -3,8 +3,6 @@ how many cache blocks a rank can afford. Host figures come from Linux's /proc, i
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 
 import torch
@@ -59,25 +57,6 @@ def reset_peak_rss() -> bool:
             f.write("5")
         return True
     except OSError:
-        return False
-
-
-# glibc's mallopt parameter: allocations from this size up get their own mapping, returned at free.
-_M_MMAP_THRESHOLD = -3
-LARGE_ALLOCATION = 1 << 20
-
-
-def return_large_frees_to_the_os() -> bool:
-    """Make glibc map every allocation of LARGE_ALLOCATION bytes or more on its own, so that freeing it
-    gives the memory back. By default glibc raises that threshold to 32 MB as buffers come and go, and
-    keeps a step's freed multi-MB buffers (a prefill chunk's latents and keys) in its heap: resident
-    memory then creeps past what is live (+15 % at 128K tokens here) and past the plan. False where the
-    C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        return bool(name) and bool(libc.mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION))
-    except (OSError, AttributeError):
         return False
 
 

@@ -32,6 +32,7 @@ from moelaunch.kernels.fused import (
     rotate_tail,
     silu_mul,
 )
+from moelaunch.kernels.gemm_rows import onednn_gemm, padded_copy, padded_rows
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.int_dispatch import (
     int4_dequant,
@@ -100,6 +101,9 @@ __all__ = [
     "silu_mul",
     "store_rows",
     "use_triton",
+    "onednn_gemm",
+    "padded_copy",
+    "padded_rows",
     "row_argmax",
     "rows_finite",
     "uses_grouped_linear_kernel",

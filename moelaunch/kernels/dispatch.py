@@ -19,6 +19,7 @@ from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as mla_ref
 from moelaunch.kernels.fp8_reference import BLOCK_SIZE
 from moelaunch.kernels.fused import silu_mul
+from moelaunch.kernels.gemm_rows import linear_padded, onednn_gemm
 from moelaunch.kernels.selection import (
     grouped_linear_on_cpu,
     paged_mla_decode_on_cpu,
@@ -131,7 +132,11 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False) -> Tensor:
     prompt step's time in conversions)."""
     rows = math.prod(x.shape[:-1])
     if not uses_grouped_linear_kernel(x, rows, weight):
-        out = F.linear(x.to(weight.dtype), weight)
+        if onednn_gemm(weight):  # its rows rounded up, so that oneDNN's compiled kernels are reused
+            flat = linear_padded(x.reshape(rows, x.shape[-1]), weight)
+            out = flat.view(*x.shape[:-1], flat.shape[-1])
+        else:
+            out = F.linear(x.to(weight.dtype), weight)
         if gated:
             return silu_mul(*out.chunk(2, dim=-1))
         return out.to(x.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from itertools import accumulate
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moelaunch import kernels
@@ -178,12 +179,33 @@ class MoE(nn.Module):
             if 2 * busy >= len(local_counts) and largest <= STACKED_MAX_ROWS:
                 rows = torch.tensor(local_counts, device=x_sorted.device)
                 group = torch.arange(len(local_counts), device=x_sorted.device).repeat_interleave(rows)
-                return self.run_stacked(x_sorted, group, rows.cumsum(0) - rows, largest)
+                return self.run_stacked(x_sorted, group, rows.cumsum(0) - rows, kernels.padded_rows(largest))
+            if kernels.onednn_gemm(stack.weight):
+                return self.run_per_expert_onednn(x_sorted, local_counts)
         out = torch.empty_like(x_sorted)
         start = 0
         for j, n in enumerate(counts):
             if n:
                 out[start : start + n] = self.experts[str(j)](x_sorted[start : start + n])
+                start += n
+        return out
+
+    def run_per_expert_onednn(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
+        """The local experts one by one through oneDNN's bf16 GEMMs (a prompt step's many rows): x_sorted
+        converted once into a padded buffer; per expert its stacked [gate; up] GEMM, the SiLU gate and
+        the down GEMM on its rows rounded up (kernels.padded_rows: oneDNN's compiled kernels reused).
+        The extra rows read the next experts' rows or the zero tail; their outputs are dropped."""
+        gate_up_w, down_w = self.gate_up.weight, self.down.weight
+        total = x_sorted.shape[0]
+        spare = max(kernels.padded_rows(n) - n for n in local_counts)
+        xp = kernels.padded_copy(x_sorted, gate_up_w.dtype, total + spare)
+        out = torch.empty_like(x_sorted)
+        start = 0
+        for e, n in enumerate(local_counts):
+            if n:
+                rows = xp[start : start + kernels.padded_rows(n)]
+                act = kernels.silu_mul(*F.linear(rows, gate_up_w[e]).chunk(2, dim=-1))
+                out[start : start + n] = F.linear(act, down_w[e])[:n]
                 start += n
         return out
 
