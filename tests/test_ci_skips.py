@@ -17,6 +17,11 @@ XFAILING = (
 )
 
 
+def _copy_conftest(tests: Path) -> None:
+    for name in ("conftest.py", "cpu_paths.py"):  # the second: what conftest imports
+        shutil.copy(Path(__file__).with_name(name), tests / name)
+
+
 def run_ci_pytest(root: Path, ci: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CI"} | ({"CI": "true"} if ci else {})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(root), "tests"]
@@ -26,7 +31,7 @@ def run_ci_pytest(root: Path, ci: bool = True) -> subprocess.CompletedProcess:
 def test_only_the_allowed_skips_pass_under_ci(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    shutil.copy(Path(__file__).with_name("conftest.py"), tests / "conftest.py")
+    _copy_conftest(tests)
     prefix, needle, _ = EXPECTED_SKIPS[0]
     allowed = tmp_path / prefix.removesuffix("::")
     allowed.write_text(SKIPPING.format(reason=needle))
@@ -43,7 +48,7 @@ def test_only_the_allowed_skips_pass_under_ci(tmp_path):
 def test_an_xfail_fails_a_ci_run_as_a_skip_does(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    shutil.copy(Path(__file__).with_name("conftest.py"), tests / "conftest.py")
+    _copy_conftest(tests)
     (tests / "test_xfails.py").write_text(XFAILING)
     done = run_ci_pytest(tmp_path)
     assert done.returncode == 1
@@ -64,7 +69,7 @@ def test_an_xfail_fails_a_ci_run_as_a_skip_does(tmp_path):
 def test_outside_ci_every_skip_says_why_without_asking(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    shutil.copy(Path(__file__).with_name("conftest.py"), tests / "conftest.py")
+    _copy_conftest(tests)
     (tests / "test_ray_like.py").write_text(
         SKIPPING.format(reason="Ray tests run inside a network namespace")
     )
