@@ -10,8 +10,9 @@ from error_bounds import assert_within, dot_logit_error, softmax_average_error
 from tiny_models import make_hf_model
 
 from moelaunch.model import load_model, prefill_attention
-from moelaunch.model.attention import causal_mask
+from moelaunch.model.attention import MLA, causal_mask
 from moelaunch.model.kv_cache import SparseAttention
+from moelaunch.model.weight_spec import WeightSpec
 
 SEGMENT = 37  # earlier keys per piece here: several pieces, the last one partial
 
@@ -96,3 +97,29 @@ def test_windowed_chunked_prefill_equals_the_absorbed_masked_path(tiny, monkeypa
         tiny.attn_impl = "auto"
     assert (naive - absorbed).abs().max().item() <= 1e-4
     assert (naive - tiny(ids)).abs().max().item() > 1e-3  # the window did change the result
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_prefilled_together_take_their_keys_from_one_product(tmp_path_factory, monkeypatch, dtype):
+    """Several prompt chunks in one step take their own keys and values from one kv_b product over
+    every row (rounded to the cache's dtype first: a bf16 cache under fp32 rows), instead of each chunk
+    expanding its own latents read back from the cache: the same logits, for first chunks and for chunks
+    after a cached prefix; in fp32 also those of each prompt alone."""
+    path = make_hf_model(tmp_path_factory.mktemp(f"tiny-{dtype}"))
+    model = load_model(WeightSpec(str(path), dtype=dtype))
+    ids = torch.randint(2, 320, (3, 60), generator=torch.Generator().manual_seed(2))
+    products: list[int] = []  # rows of each shared product
+    own_keys_values = MLA._own_keys_values
+    monkeypatch.setattr(
+        MLA,
+        "_own_keys_values",
+        lambda self, kv, *a: products.append(len(kv)) or own_keys_values(self, kv, *a),
+    )
+    together = _chunked(model, ids, [25, 35], model.new_paged_cache(3, 60))
+    assert products == [75] * 3 + [105] * 3  # both steps, every layer
+    monkeypatch.setattr(MLA, "_own_keys_values", lambda *a: None)  # each chunk on its own again
+    per_chunk = _chunked(model, ids, [25, 35], model.new_paged_cache(3, 60))
+    assert (together - per_chunk).abs().max().item() <= 1e-4
+    if dtype == "float32":
+        alone = [_chunked(model, ids[i : i + 1], [25, 35], model.new_paged_cache(1, 60)) for i in range(3)]
+        assert (together - torch.cat(alone)).abs().max().item() <= 1e-4

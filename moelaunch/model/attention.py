@@ -144,12 +144,16 @@ class MLA(nn.Module):
                 q_nope[decodes.rows], q_pe[decodes.rows], layout, decodes, layer
             )
         skip = set(decodes.spans) if decodes is not None else set()
+        prompts = sum(span.length > 1 for i, span in enumerate(layout.spans) if i not in skip)
+        # Several prompt chunks: every row's own keys and values from one kv_b GEMM, not one per chunk.
+        own = self._own_keys_values(kv, k_pe, cache) if prompts > 1 and impl != "absorbed" else None
         for i, span in enumerate(layout.spans):
             if i in skip:
                 continue
             rows = slice(span.offset, span.offset + span.length)
             if span.length > 1 and impl != "absorbed":
-                out[rows] = self._prefill(q[rows], kv[rows], k_pe[rows], layout, i, layer)
+                own_rows = None if own is None else (own[0][rows], own[1][rows])
+                out[rows] = self._prefill(q[rows], kv[rows], k_pe[rows], layout, i, layer, own_rows)
                 continue
             keys, pes = kv[rows], k_pe[rows]
             # A span that starts the sequence has all its keys in this pass; earlier ones come from the
@@ -231,29 +235,43 @@ class MLA(nn.Module):
         )
         return out.transpose(0, 1)
 
-    def _prefill(self, q, kv, k_pe, layout: BatchLayout, index: int, layer: int) -> torch.Tensor:
-        """A prompt chunk ([T, H, *] queries; kv, k_pe its own new latents) over its own keys, causally,
-        and over the earlier keys of its sequence read from the cache one segment at a time, in the naive
-        form (per-head keys cost nope + rope per score, the absorbed ones kv_rank + rope). Flash style:
-        no [T, S] matrix, memory linear in the length (see prefill_attention)."""
+    def _own_keys_values(self, kv, k_pe, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Per-head keys and values of every row from its own latents as the cache holds them (a bf16
+        cache under fp32 rows: rounded alike); None for an fp8 cache, read back chunk by chunk."""
+        if cache is not None and cache.pool.dtype != kv.dtype:
+            if cache.scales is not None:
+                return None
+            kv, k_pe = kv.to(cache.dtype), k_pe.to(cache.dtype)
+        return self._keys_values(kv, k_pe)
+
+    def _prefill(self, q, kv, k_pe, layout: BatchLayout, index: int, layer: int, own=None) -> torch.Tensor:
+        """A prompt chunk ([T, H, *] queries; kv, k_pe its own new latents, or `own`: the keys and values
+        made from them) over its own keys, causally, and over the earlier keys of its sequence read from
+        the cache one segment at a time, in the naive form (per-head keys cost nope + rope per score, the
+        absorbed ones kv_rank + rope). Flash style: no [T, S] matrix, memory linear in the length (see
+        prefill_attention)."""
         span, cache = layout.spans[index], layout.cache
         start, end = span.start_pos, span.end_pos
         window = cache.sparse.window if cache is not None else None
-        if cache is not None and cache.pool.dtype != kv.dtype:
-            # Attend to the chunk's keys as the cache holds them (fp8), as decode will see them.
-            kv, k_pe = cache.gather(layer, layout.block_tables[index], end, start)
+        if own is None:
+            if cache is not None and cache.pool.dtype != kv.dtype:
+                # Attend to the chunk's keys as the cache holds them (fp8), as decode will see them.
+                kv, k_pe = cache.gather(layer, layout.block_tables[index], end, start)
+            own = self._keys_values(kv, k_pe)
         q = q.transpose(0, 1)
-        parts = [self._attend(q, kv, k_pe, start, start, window, causal=True)]
+        parts = [self._attend(q, *own, start, start, window, causal=True)]
         first = cache.sparse.first_visible(start) if cache is not None else start
         for seg_start in range(first, start, prefill_attention.KEY_SEGMENT):
             seg_end = min(start, seg_start + prefill_attention.KEY_SEGMENT)
             keys, pes = cache.gather(layer, layout.block_tables[index], seg_end, seg_start)
-            parts.append(self._attend(q, keys, pes, start, seg_start, window, causal=False))
+            parts.append(
+                self._attend(q, *self._keys_values(keys, pes), start, seg_start, window, causal=False)
+            )
         return prefill_attention.merge(parts).transpose(0, 1)
 
-    def _attend(self, q, kv, k_pe, q_start: int, k_start: int, window: int | None, causal: bool):
-        """(out, lse) of queries [H, T, *] at q_start.. over the latents kv, k_pe at k_start.."""
-        k, v = self._keys_values(kv, k_pe)
+    def _attend(self, q, k, v, q_start: int, k_start: int, window: int | None, causal: bool):
+        """(out, lse) of queries [H, T, *] at q_start.. over per-head keys k [S, H, *] and values v at
+        k_start.."""
         mask = None
         if window is not None:
             mask = prefill_attention.band_mask(q_start, q.shape[1], k_start, k.shape[0], window, q.device)
