@@ -7,7 +7,7 @@ activations of a prompt step then arrive as fresh pages the kernel faults in and
 (113K faults and about a quarter of a 2048-token bf16 prompt step on the bench model). The exception is a step
 with a chunk of a long prompt (past one key segment of prefill attention): its buffers grow from chunk
 to chunk with the keys attended, and reused heap holes let resident memory creep past what is live
-(+9 % at 32K tokens, measured), so there every buffer from 1 MiB has its own mapping, returned at free,
+(+16 % at 32K tokens, measured), so there every buffer from 1 MiB has its own mapping, returned at free,
 as under glibc's defaults.
 """
 
