@@ -24,6 +24,17 @@ def isa_path(request, monkeypatch) -> str:
     selection.cpu_isa_path.cache_clear()
 
 
+@pytest.fixture
+def best_path(monkeypatch) -> str:
+    """The best instruction-set path this CPU has, whatever MOELAUNCH_CPU_ISA the environment set."""
+    from moelaunch.kernels import selection
+
+    monkeypatch.delenv("MOELAUNCH_CPU_ISA", raising=False)
+    selection.cpu_isa_path.cache_clear()
+    yield PATHS_HERE[-1]
+    selection.cpu_isa_path.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """A tiny model runs far faster on one thread than with threads fighting other processes for a

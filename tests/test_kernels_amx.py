@@ -40,14 +40,6 @@ def _decode(b, scale: float, starts: list[int] | None, table: torch.Tensor) -> t
     )
 
 
-@pytest.fixture
-def best_path(monkeypatch) -> str:
-    monkeypatch.delenv("MOELAUNCH_CPU_ISA", raising=False)
-    selection.cpu_isa_path.cache_clear()
-    yield PATHS_HERE[-1]
-    selection.cpu_isa_path.cache_clear()
-
-
 @pytest.mark.parametrize("block_size", [4, 16, 64])
 @pytest.mark.parametrize("heads", [8, 20])
 @pytest.mark.parametrize("window", [False, True], ids=["full", "window"])

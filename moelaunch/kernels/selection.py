@@ -28,6 +28,10 @@ from moelaunch.kernels.triton_interpreter import interpreting
 # Rows up to which the CPU kernel beats BLAS on one weight (measured with cold weights on an AVX2 core:
 # it streams the weight once; BLAS packs it first and only wins once enough rows reuse each packed tile).
 LINEAR_KERNEL_MAX_ROWS = 32
+# The same for bf16 weights where the AMX tiles multiply them (csrc/grouped_linear_amx.h): against
+# oneDNN's bf16 GEMM, which repacks the weight on every call, 1.04-2.8x at 8-64 rows on the bench models'
+# projections, even at 128 (benchmarks/bf16_kernels.py; docs/benchmarks.md, issue 30).
+AMX_LINEAR_MAX_ROWS = 64
 # The C++ kernels' instruction-set paths (csrc/cpu_isa.h), in the order of their numbers: avx512_bf16
 # adds bf16 dot products (vdpbf16ps) to avx512, amx the AMX tiles to that; MOELAUNCH_CPU_ISA=avx512
 # forces the widening fp32 path.
@@ -92,6 +96,18 @@ def bf16_dot_products() -> bool:
     return kernel_isa_path() >= CPU_ISA_PATHS.index("avx512_bf16")
 
 
+def amx_tiles() -> bool:
+    """Whether the C++ kernels multiply bf16 through the AMX tiles (the amx path)."""
+    return kernel_isa_path() >= CPU_ISA_PATHS.index("amx")
+
+
+def amx_tiles_fit(weight: Tensor, width: int) -> bool:
+    """Whether the AMX tiles multiply rows by `weight` ([..., N, K]) into `width` outputs per row: a bf16
+    weight, K and the width in whole tiles (32 and 16 values: csrc/grouped_linear_amx.h's `fits`), on the
+    amx path."""
+    return weight.dtype == torch.bfloat16 and weight.shape[-1] % 32 == 0 and width % 16 == 0 and amx_tiles()
+
+
 def bf16_gemm_units(x: Tensor) -> bool:
     """Whether x sits on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16), where oneDNN's
     bf16 GEMM beats its fp32 one: fp32 rows meeting bf16 weights go in as bf16 there (the absorbed MLA
@@ -139,14 +155,19 @@ def grouped_linear_on_cpu(x: Tensor, weight: Tensor) -> bool:
 
 
 def uses_grouped_linear_kernel(
-    x: Tensor, max_rows: int, weight: Tensor, row_limit: int = LINEAR_KERNEL_MAX_ROWS
+    x: Tensor, max_rows: int, weight: Tensor, row_limit: int | None = None
 ) -> bool:
-    """Whether `linear`/`grouped_linear` take the CPU kernel for groups of at most `max_rows` rows.
+    """Whether `linear`/`grouped_linear` take the CPU kernel for groups of at most `max_rows` rows: up to
+    LINEAR_KERNEL_MAX_ROWS, or AMX_LINEAR_MAX_ROWS for a bf16 weight the AMX tiles multiply.
 
     Callers with a different trade-off pass their own `row_limit` (grouped experts: the alternative
     pads every group to the largest).
     """
-    return max_rows <= row_limit and grouped_linear_on_cpu(x, weight)
+    if not grouped_linear_on_cpu(x, weight):
+        return False
+    if row_limit is None:
+        row_limit = AMX_LINEAR_MAX_ROWS if amx_tiles_fit(weight, weight.shape[-2]) else LINEAR_KERNEL_MAX_ROWS
+    return max_rows <= row_limit
 
 
 # The fused per-token steps (`fused`): a tensor whose stride is checked here goes to the kernel as it is

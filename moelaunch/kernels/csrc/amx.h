@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "prefetch.h"
+
 namespace moelaunch::amx {
 
 // Every tile these kernels use has the largest shape: 16 rows of 64 bytes (32 bf16 or 16 fp32 values).
@@ -68,13 +70,15 @@ inline void pack_pairs(const c10::BFloat16* src, int64_t rows, int64_t stride, i
 // C = sum over the 32-value slices of A (16 rows of bf16 from a0 or a1, a row `a_stride` bytes apart) x
 // B (slice s at b + s * kTileValues). Tile registers are not renamed, so a load waits for the multiply
 // reading its register: even slices use registers 2-4, odd ones 5-7, and the two sums (0 and 1) run at
-// once (with one register set the multiplies waited on loads a third of the time).
+// once (with one register set the multiplies waited on loads a third of the time). `prefetch`, when
+// given, ticks once per two slices.
 inline void pair_products(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_stride, const uint32_t* b,
-                          int64_t slices, float* c0, float* c1) {
+                          int64_t slices, float* c0, float* c1, SpreadPrefetcher* prefetch = nullptr) {
   _tile_zero(0);
   _tile_zero(1);
   int64_t s = 0;
   for (; s + 2 <= slices; s += 2) {
+    if (prefetch) prefetch->tick();
     _tile_loadd(4, b + s * kTileValues, kTileRowBytes);
     _tile_loadd(2, a0 + s * kSlice, a_stride);
     _tile_loadd(3, a1 + s * kSlice, a_stride);

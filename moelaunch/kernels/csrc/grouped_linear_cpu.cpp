@@ -17,6 +17,7 @@
 
 #include "bf16_dot.h"
 #include "cpu_isa.h"
+#include "grouped_linear_amx.h"
 #include "prefetch.h"
 #include "simd.h"
 
@@ -190,7 +191,8 @@ void grouped_linear(const typename Dot::x_t* x, const weight_t* weight, const in
 // x [T, K] fp32 or bf16 with rows grouped; weight [G, N, K] fp32 or bf16; offsets [G + 1] int64,
 // non-decreasing, offsets[0] = 0 and offsets[G] = T; path: cpu_isa.h's (-1: the best built). Returns
 // [T, N] fp32, or with gated (N even: each group's [gate; up]) [T, N / 2] = silu(x @ gate^T) * (x @ up^T).
-// bf16 x with a bf16 weight runs vdpbf16ps on the AVX512-BF16 path; other bf16 rows are widened first.
+// bf16 x with a bf16 weight runs the AMX tiles on the Amx path (shapes that fit: grouped_linear_amx.h),
+// vdpbf16ps on the AVX512-BF16 path; other bf16 rows are widened first.
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated,
                                  int64_t path) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
@@ -210,9 +212,17 @@ torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::T
   if (!bf16_dot) x = x.to(torch::kFloat32);  // no copy when it already is
   const auto fp32 = x.options().dtype(torch::kFloat32);
   auto out = torch::empty({x.size(0), gated ? n / 2 : n}, fp32);
+  const auto* w16 = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
+#ifdef MOELAUNCH_HAS_AMX
+  if (bf16_dot && isa::resolve(path) >= isa::kAmx && moelaunch::grouped_amx::fits(gated ? n / 2 : n, k)) {
+    ++isa::amx_calls();
+    moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), w16, off,
+                                           out.data_ptr<float>(), groups, n, k, gated);
+    return out;
+  }
+#endif
   auto scratch = gated ? torch::empty({x.size(0), n}, fp32) : torch::Tensor();
   float* sp = gated ? scratch.data_ptr<float>() : nullptr;
-  const auto* w16 = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
 #ifdef MOELAUNCH_HAS_AVX512_BF16
   if (bf16_dot) {
     ++isa::bf16_dot_calls();

@@ -1,0 +1,106 @@
+"""The grouped-linear kernel through the AMX tiles (csrc/grouped_linear_amx.h) against float64 products of
+the same bf16 inputs, with the bound of the vdpbf16ps path it shares its numerics with (fp32 sums of bf16
+products: tests/test_kernels_bf16_dot.py), and the dispatch that sends calls to it.
+
+The cases walk what the tile code does differently: groups of 1 to 40 rows (one chunk of 16 x rows, a
+partial second, three), empty groups, output widths of 16 (one weight tile, paired with itself), 48 (an
+odd count of tiles) and 160 (several tasks per group), K of 32 (one slice), 96 (an odd count of slices)
+and 512; gated weights, whose gate and up tiles are multiplied as a pair.
+
+A CPU without AMX tiles (no amx_bf16 flag, or Linux refusing the tile state) cannot run this code: there
+the tests check that the vdpbf16ps or widening path took the calls instead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cpu_paths import PATHS_HERE
+from error_bounds import assert_within
+from test_kernels_bf16_dot import _exact, _grouped
+from test_kernels_mla_decode import U_BF16
+
+from moelaunch import kernels
+from moelaunch.kernels import cpu_extension, grouped_linear_cpu, selection
+from moelaunch.kernels.cpu_ops import cpu_kernel
+
+HAS_AMX = "amx" in PATHS_HERE
+
+
+def _amx_calls() -> int:
+    return cpu_extension.require().amx_calls()
+
+
+CASES = [
+    ([1], 16, 32),
+    ([0, 17, 0, 3], 48, 96),
+    ([40, 16, 5], 160, 512),
+    ([8] * 6, 64, 256),
+]
+
+
+@pytest.mark.parametrize(("counts", "n", "k"), CASES)
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_amx_grouped_linear_matches_exact_products(best_path, counts, n, k, gated):
+    x, w, offsets = _grouped(counts, 2 * n if gated else n, k, seed=n + k + len(counts))
+    before = _amx_calls()
+    out = cpu_kernel("grouped_linear_cpu")(x, w, offsets, gated, selection.cpu_isa_path())
+    assert _amx_calls() - before == (1 if HAS_AMX else 0)
+    exact, bound = _exact(x, w, counts)
+    if not gated:
+        assert_within(out, exact, bound)
+        return
+    gate, up = exact.chunk(2, dim=-1)
+    e_gate, e_up = bound.chunk(2, dim=-1)
+    # |d silu(g) / dg| < 1.1 (as tests/test_kernels_grouped_linear.py), plus the epilogue's own rounding.
+    slack = 1.1 * up.abs() * e_gate + F.silu(gate).abs() * e_up + 1e-6 * (F.silu(gate) * up).abs()
+    assert_within(out, F.silu(gate) * up, slack)
+
+
+def test_the_wrapper_sends_enough_rows_of_whole_tiles_to_amx(best_path, monkeypatch):
+    """From AMX_MIN_ROWS_PER_GROUP rows per group (fp32 rows rounded to bf16 on the way, as for oneDNN's
+    bf16 GEMM); fewer rows, widths or K not in whole tiles, and a forced avx512_bf16 path keep the tiles
+    idle. Gated calls through the tiles still give silu(gate) * up."""
+    per_group = grouped_linear_cpu.AMX_MIN_ROWS_PER_GROUP
+    x, w, offsets = _grouped([per_group] * 4, 64, 64, seed=5)
+    few, _, few_offsets = _grouped([per_group - 1] * 4, 64, 64, seed=6)
+
+    def calls(run) -> int:
+        before = _amx_calls()
+        run()
+        return _amx_calls() - before
+
+    expected = 1 if HAS_AMX else 0
+    assert calls(lambda: grouped_linear_cpu.grouped_linear_cpu(x, w, offsets)) == expected
+    assert calls(lambda: grouped_linear_cpu.grouped_linear_cpu(x.float(), w, offsets)) == expected
+    assert calls(lambda: grouped_linear_cpu.grouped_linear_cpu(few, w, few_offsets)) == 0
+    assert calls(lambda: grouped_linear_cpu.grouped_linear_cpu(x, w[:, :24].contiguous(), offsets)) == 0
+    narrow_k = x[:, :40].contiguous(), w[..., :40].contiguous()
+    assert calls(lambda: grouped_linear_cpu.grouped_linear_cpu(*narrow_k, offsets)) == 0
+    gate, up = _exact(x, w, [per_group] * 4)[0].chunk(2, dim=-1)
+    gated = grouped_linear_cpu.grouped_linear_cpu(x.float(), w, offsets, gated=True)
+    # Within bf16's rounding of the rows' products and of the result.
+    torch.testing.assert_close(gated.double(), F.silu(gate) * up, atol=1e-4, rtol=4 * U_BF16)
+    if "avx512_bf16" in PATHS_HERE:
+        monkeypatch.setenv("MOELAUNCH_CPU_ISA", "avx512_bf16")
+        selection.cpu_isa_path.cache_clear()
+        assert calls(lambda: grouped_linear_cpu.grouped_linear_cpu(x, w, offsets)) == 0
+
+
+def test_linear_takes_the_tiles_up_to_their_row_limit(best_path):
+    """One bf16 weight: up to AMX_LINEAR_MAX_ROWS rows go to the tiles where the CPU has them (oneDNN
+    repacks the weight on every call), within bf16 rounding of oneDNN's own bf16 GEMM; past it oneDNN."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(96, 128, generator=g).bfloat16()
+    limit = selection.AMX_LINEAR_MAX_ROWS if HAS_AMX else selection.LINEAR_KERNEL_MAX_ROWS
+    assert selection.uses_grouped_linear_kernel(torch.zeros(1, 128), limit, weight)
+    assert not selection.uses_grouped_linear_kernel(torch.zeros(1, 128), limit + 1, weight)
+    assert not selection.uses_grouped_linear_kernel(torch.zeros(1, 128), 33, weight.float())
+    for rows in (48, selection.AMX_LINEAR_MAX_ROWS):
+        x = torch.randn(rows, 128, generator=g)
+        before = _amx_calls()
+        out = kernels.linear(x, weight)
+        assert _amx_calls() - before == (1 if HAS_AMX else 0)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, F.linear(x.bfloat16(), weight).float(), atol=2e-2, rtol=2 * U_BF16)
