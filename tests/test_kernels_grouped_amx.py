@@ -42,10 +42,18 @@ CASES = [
 
 @pytest.mark.parametrize(("counts", "n", "k"), CASES)
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_amx_grouped_linear_matches_exact_products(best_path, counts, n, k, gated):
+@pytest.mark.parametrize("rows_dtype", [torch.bfloat16, torch.float32], ids=["bf16-rows", "fp32-rows"])
+def test_amx_grouped_linear_matches_exact_products(best_path, counts, n, k, gated, rows_dtype):
+    """fp32 rows are rounded to bf16 as the tiles pack them, as torch rounds them (to nearest even): the
+    reference takes the rows torch rounded."""
     x, w, offsets = _grouped(counts, 2 * n if gated else n, k, seed=n + k + len(counts))
+    if rows_dtype == torch.float32:
+        fine = x.float() + torch.rand(x.shape, generator=torch.Generator().manual_seed(k)) * x.float() / 64
+        x = fine.bfloat16()
+    else:
+        fine = x
     before = _amx_calls()
-    out = cpu_kernel("grouped_linear_cpu")(x, w, offsets, gated, selection.cpu_isa_path())
+    out = cpu_kernel("grouped_linear_cpu")(fine, w, offsets, gated, selection.cpu_isa_path())
     assert _amx_calls() - before == (1 if HAS_AMX else 0)
     exact, bound = _exact(x, w, counts)
     if not gated:
@@ -104,3 +112,27 @@ def test_linear_takes_the_tiles_up_to_their_row_limit(best_path):
         assert _amx_calls() - before == (1 if HAS_AMX else 0)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, F.linear(x.bfloat16(), weight).float(), atol=2e-2, rtol=2 * U_BF16)
+
+
+@pytest.mark.parametrize(("rows", "heads", "n", "k"), [(3, 2, 32, 64), (20, 8, 48, 96), (64, 4, 16, 512)])
+def test_per_head_linear_reads_strided_heads_in_place(best_path, rows, heads, n, k):
+    """x [R, H, K] as a slice of wider rows (q_nope out of q), per head against its stack: the tiles read it
+    in place where they take it; either way the product of each head's bf16 rows, as float64 gives it."""
+    g = torch.Generator().manual_seed(rows + heads)
+    wide = torch.randn(rows, heads, k + 16, generator=g)
+    x = wide[..., :k]
+    stack = torch.randn(heads, n, k, generator=g).bfloat16()
+    exact = torch.einsum("rhk,hnk->rhn", x.bfloat16().double(), stack.double())
+    bound = torch.einsum("rhk,hnk->rhn", x.bfloat16().double().abs(), stack.double().abs()) * k * 2.0**-23
+    before = _amx_calls()
+    out = kernels.per_head_linear(x, stack)
+    assert _amx_calls() - before == (1 if HAS_AMX else 0)
+    assert grouped_linear_cpu.per_head_tiles_take(x, stack) == HAS_AMX
+    assert out.shape == (rows, heads, n) and out.dtype == torch.float32
+    assert_within(out, exact, bound)
+    bf16_out = kernels.per_head_linear(x.bfloat16(), stack)
+    assert bf16_out.dtype == torch.bfloat16
+    assert_within(bf16_out, exact, bound + U_BF16 * exact.abs())
+    assert not grouped_linear_cpu.per_head_tiles_take(
+        x[: grouped_linear_cpu.AMX_MIN_ROWS_PER_GROUP - 1], stack
+    )

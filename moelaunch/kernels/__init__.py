@@ -16,6 +16,7 @@ from moelaunch.kernels.dispatch import (
     grouped_linear,
     linear,
     paged_mla_decode,
+    per_head_linear,
     weight_dequant,
     weight_quant,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "int8_weight_quant",
     "int_linear_on_cpu",
     "linear",
+    "per_head_linear",
     "mla_input_norms",
     "mla_latent",
     "moe_combine",

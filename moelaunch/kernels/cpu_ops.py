@@ -52,6 +52,16 @@ def _(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = False, path: int
     return x.new_empty(x.shape[0], weight.shape[1] // (2 if gated else 1), dtype=torch.float32)
 
 
+@torch.library.custom_op("moelaunch::per_head_linear_cpu", mutates_args=())
+def per_head_linear_cpu(x: Tensor, stack: Tensor, path: int = -1) -> Tensor:
+    return _ext().per_head_linear_cpu(x, stack, path)
+
+
+@per_head_linear_cpu.register_fake
+def _(x: Tensor, stack: Tensor, path: int = -1) -> Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], stack.shape[1], dtype=torch.float32)
+
+
 @torch.library.custom_op("moelaunch::paged_mla_decode_cpu", mutates_args=())
 def paged_mla_decode_cpu(
     q_latent: Tensor,

@@ -112,6 +112,23 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = Fal
 
 
 @functools.cache
+def _head_offsets(heads: int, rows: int) -> Tensor:
+    return torch.arange(0, heads * rows + 1, rows)
+
+
+def per_head_linear(x: Tensor, stack: Tensor) -> Tensor:
+    """x [R, H, K] times stack[h]^T ([H, N, K]) for each head h -> [R, H, N], in x's dtype: read in place
+    by the AMX tiles where they take the call, else as the heads = groups of `grouped_linear` (a
+    transposed copy of x in, a transposed view out)."""
+    rows, heads, k = x.shape
+    if linear_cpu.per_head_tiles_take(x, stack):
+        return linear_cpu.per_head_linear_cpu(x, stack)
+    grouped = x.transpose(0, 1).reshape(heads * rows, k)
+    out = grouped_linear(grouped, stack, _head_offsets(heads, rows))
+    return out.view(heads, rows, -1).transpose(0, 1)
+
+
+@functools.cache
 def _one_group_made(rows: int) -> Tensor:
     return torch.tensor([0, rows])
 

@@ -53,8 +53,9 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool =
     # per-head products): 1.0-1.4x there, while a single weight's few rows lost up to 8 % in bf16 pairs
     # (benchmarks/bf16_kernels.py).
     grouped = groups > 1 and bf16_weight
-    in_bf16 = x.dtype == torch.bfloat16 or tiles or (grouped and bf16_dot_products())
-    rows = cast_if_needed(x, torch.bfloat16 if in_bf16 else torch.float32)
+    in_bf16 = x.dtype == torch.bfloat16 or (grouped and bf16_dot_products())
+    # The tiles round fp32 rows to bf16 as they pack them.
+    rows = x if tiles else cast_if_needed(x, torch.bfloat16 if in_bf16 else torch.float32)
     out = cpu_kernel("grouped_linear_cpu")(
         rows.contiguous(),
         weight.contiguous(),
@@ -64,4 +65,21 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool =
     )
     if gated and not epilogue:
         out = silu_mul(*out.chunk(2, dim=-1))
+    return cast_if_needed(out, x.dtype)
+
+
+def per_head_tiles_take(x: Tensor, stack: Tensor) -> bool:
+    """Whether the AMX tiles multiply x [R, H, K] by stack [H, N, K] per head, in place (rows with unit
+    stride, fp32 or bf16): as `grouped_linear_cpu` would for the same rows grouped by head."""
+    return (
+        x.shape[0] >= AMX_MIN_ROWS_PER_GROUP and x.stride(-1) == 1
+        and x.dtype in (torch.float32, torch.bfloat16) and stack.is_contiguous()
+        and amx_tiles_fit(stack, stack.shape[1])
+    )  # fmt: skip
+
+
+def per_head_linear_cpu(x: Tensor, stack: Tensor) -> Tensor:
+    """x [R, H, K] times stack[h]^T for each head h -> [R, H, N] in x's dtype, through the AMX tiles (ask
+    `per_head_tiles_take` first): fp32 sums, fp32 rows rounded to bf16 as they are packed."""
+    out = cpu_kernel("per_head_linear_cpu")(x, stack, kernel_isa_path())
     return cast_if_needed(out, x.dtype)

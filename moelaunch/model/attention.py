@@ -17,7 +17,7 @@ from moelaunch import kernels
 from moelaunch.model import prefill_attention
 from moelaunch.model.batch import BatchLayout, DecodeRows
 from moelaunch.model.config import ModelArgs
-from moelaunch.model.decode_heads import DecodeHeadWeights, per_head_linear
+from moelaunch.model.decode_heads import DecodeHeadWeights
 from moelaunch.model.linear import Linear
 from moelaunch.model.norm import RMSNorm
 from moelaunch.model.rope import RotaryEmbedding
@@ -205,7 +205,7 @@ class MLA(nn.Module):
         heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
         if heads_kernel:
             uk_t, uv = self._decode_heads.get(w_uk, w_uv, held, w_uk.dtype)
-            q_latent = per_head_linear(q_nope, uk_t)
+            q_latent = kernels.per_head_linear(q_nope, uk_t)
         else:
             if w_uk.dtype != q_nope.dtype:
                 # fp32 rows meet bf16 weights as bf16 where the CPU has bf16 units (oneDNN's bf16 GEMM;
@@ -218,7 +218,7 @@ class MLA(nn.Module):
             layer, q_latent, q_pe, decodes.block_tables, decodes.seq_lens, self.scale, decodes.rows_per_table
         )
         if heads_kernel:
-            return per_head_linear(out_latent, uv)
+            return kernels.per_head_linear(out_latent, uv)
         return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv).to(q_nope.dtype)
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The absorbed MLA form's two per-head products at decode, through the CPU grouped-linear kernel.
+"""The weights of the absorbed MLA form's two per-head products at decode (`kernels.per_head_linear`).
 
 q_latent[r, h] = q_nope[r, h] @ W_UK[h] and out[r, h] = latent[r, h] @ W_UV[h]^T are, per head, a
 few-row linear layer; as einsums they became one batched GEMM per product whose small-M path cost more
@@ -8,25 +8,8 @@ multiply-adds). As heads = groups of the grouped kernel they read each head's we
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
-
-from moelaunch import kernels
-
-
-@functools.cache
-def _head_offsets(heads: int, rows: int) -> Tensor:
-    return torch.arange(0, heads * rows + 1, rows)
-
-
-def per_head_linear(x: Tensor, stack: Tensor) -> Tensor:
-    """x [R, H, K] times stack[h]^T ([H, N, K]) for each head h -> [R, H, N]."""
-    rows, heads, k = x.shape
-    grouped = x.transpose(0, 1).reshape(heads * rows, k)
-    out = kernels.grouped_linear(grouped, stack, _head_offsets(heads, rows))
-    return out.view(heads, rows, -1).transpose(0, 1)
 
 
 class DecodeHeadWeights:

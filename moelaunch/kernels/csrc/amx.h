@@ -50,17 +50,25 @@ class Tiles {
 constexpr int64_t kSlice = 32;
 constexpr int64_t kTileValues = kTileRows * kTileRowBytes / 4;
 
-// Up to 16 rows of k bf16 values (`rows` of them, row i at src + i * stride) as B tiles: per 32-value
-// slice s, tile row j holds each source row's values 2j and 2j + 1 of the slice, one 32-bit pair per
-// column (scattered into it); columns past `rows` are zeros. k is a multiple of 32.
-inline void pack_pairs(const c10::BFloat16* src, int64_t rows, int64_t stride, int64_t k, uint32_t* tiles) {
+// 32 bf16 values from p; fp32 ones rounded to bf16 on the way (to nearest even, as torch's conversion;
+// vcvtne2ps2bf16 reads denormals as zero, which the tile products do anyway).
+inline __m512i load_slice(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+inline __m512i load_slice(const float* p) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+
+// Up to 16 rows of k values (`rows` of them, row i at src + i * stride; bf16, or fp32 rounded to bf16) as
+// B tiles: per 32-value slice s, tile row j holds each source row's values 2j and 2j + 1 of the slice,
+// one 32-bit pair per column (scattered into it); columns past `rows` are zeros. k is a multiple of 32.
+template <typename src_t>
+inline void pack_pairs(const src_t* src, int64_t rows, int64_t stride, int64_t k, uint32_t* tiles) {
   const int64_t slices = k / kSlice;
   if (rows < kTileRows) std::memset(tiles, 0, slices * kTileValues * sizeof(uint32_t));
   const __m512i columns = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTileRows));
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t s = 0; s < slices; ++s) {
-      _mm512_i32scatter_epi32(tiles + s * kTileValues + i, columns, _mm512_loadu_si512(src + i * stride + s * kSlice),
+      _mm512_i32scatter_epi32(tiles + s * kTileValues + i, columns, load_slice(src + i * stride + s * kSlice),
                               sizeof(uint32_t));
     }
   }

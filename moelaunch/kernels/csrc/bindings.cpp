@@ -11,6 +11,7 @@ torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_p
                                        double scale, c10::optional<torch::Tensor> starts);
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated,
                                  int64_t path);
+torch::Tensor per_head_linear_cpu(torch::Tensor x, torch::Tensor stack, int64_t path);
 torch::Tensor rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor mla_latent_cpu(torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
                              torch::Tensor sin, bool interleaved);
@@ -46,6 +47,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none());
   m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows; gated: SiLU-gated",
         py::arg("x"), py::arg("weight"), py::arg("offsets"), py::arg("gated") = false, py::arg("path") = -1);
+  m.def("per_head_linear_cpu", &per_head_linear_cpu, "x [R, H, K] @ stack[h]^T per head h, through the AMX tiles",
+        py::arg("x"), py::arg("stack"), py::arg("path") = -1);
   m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm of fp32 rows");
   m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
   m.def("mla_input_norms_cpu", &mla_input_norms_cpu,

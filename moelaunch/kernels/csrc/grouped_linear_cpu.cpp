@@ -191,8 +191,9 @@ void grouped_linear(const typename Dot::x_t* x, const weight_t* weight, const in
 // x [T, K] fp32 or bf16 with rows grouped; weight [G, N, K] fp32 or bf16; offsets [G + 1] int64,
 // non-decreasing, offsets[0] = 0 and offsets[G] = T; path: cpu_isa.h's (-1: the best built). Returns
 // [T, N] fp32, or with gated (N even: each group's [gate; up]) [T, N / 2] = silu(x @ gate^T) * (x @ up^T).
-// bf16 x with a bf16 weight runs the AMX tiles on the Amx path (shapes that fit: grouped_linear_amx.h),
-// vdpbf16ps on the AVX512-BF16 path; other bf16 rows are widened first.
+// A bf16 weight runs the AMX tiles on the Amx path (shapes that fit: grouped_linear_amx.h; fp32 rows
+// rounded to bf16); bf16 x with a bf16 weight runs vdpbf16ps on the AVX512-BF16 path; other bf16 rows are
+// widened first.
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated,
                                  int64_t path) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
@@ -207,20 +208,26 @@ torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::T
   const int64_t groups = weight.size(0), n = weight.size(1), k = weight.size(2);
   const int64_t* off = offsets.data_ptr<int64_t>();
   TORCH_CHECK(off[0] == 0 && off[groups] == x.size(0), "offsets must start at 0 and end at x's row count");
-  const bool bf16_dot = x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 &&
-                        isa::resolve(path) >= isa::kAvx512Bf16;
-  if (!bf16_dot) x = x.to(torch::kFloat32);  // no copy when it already is
   const auto fp32 = x.options().dtype(torch::kFloat32);
   auto out = torch::empty({x.size(0), gated ? n / 2 : n}, fp32);
   const auto* w16 = reinterpret_cast<const c10::BFloat16*>(weight.data_ptr());
 #ifdef MOELAUNCH_HAS_AMX
-  if (bf16_dot && isa::resolve(path) >= isa::kAmx && moelaunch::grouped_amx::fits(gated ? n / 2 : n, k)) {
+  if (weight.scalar_type() == torch::kBFloat16 && isa::resolve(path) >= isa::kAmx &&
+      moelaunch::grouped_amx::fits(gated ? n / 2 : n, k)) {
     ++isa::amx_calls();
-    moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), w16, off,
-                                           out.data_ptr<float>(), groups, n, k, gated);
+    const auto layout = moelaunch::grouped_amx::Layout::grouped(off, groups, k, out.size(1));
+    if (x.scalar_type() == torch::kBFloat16) {
+      moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), w16, layout,
+                                             out.data_ptr<float>(), n, k, gated);
+    } else {
+      moelaunch::grouped_amx::grouped_linear(x.data_ptr<float>(), w16, layout, out.data_ptr<float>(), n, k, gated);
+    }
     return out;
   }
 #endif
+  const bool bf16_dot = x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 &&
+                        isa::resolve(path) >= isa::kAvx512Bf16;
+  if (!bf16_dot) x = x.to(torch::kFloat32);  // no copy when it already is
   auto scratch = gated ? torch::empty({x.size(0), n}, fp32) : torch::Tensor();
   float* sp = gated ? scratch.data_ptr<float>() : nullptr;
 #ifdef MOELAUNCH_HAS_AVX512_BF16
@@ -238,4 +245,34 @@ torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::T
     grouped_linear<WidenDot>(x.data_ptr<float>(), w16, off, out.data_ptr<float>(), sp, groups, n, k, gated);
   }
   return out;
+}
+
+// x [R, H, K] (fp32 or bf16, rows with unit stride) times stack[h]^T ([H, N, K] bf16) for each head h ->
+// [R, H, N] fp32, through the AMX tiles: the absorbed MLA products of a decode step read in place, with
+// no transposed copy of x in or of the result out. Shapes the tiles do not fit, and paths below Amx, are
+// refused (the caller asks first: grouped_linear_cpu.py).
+torch::Tensor per_head_linear_cpu(torch::Tensor x, torch::Tensor stack, int64_t path) {
+  TORCH_CHECK(x.dim() == 3 && stack.dim() == 3 && x.size(1) == stack.size(0) && x.size(2) == stack.size(2),
+              "x [R, H, K] and stack [H, N, K]");
+  TORCH_CHECK(x.stride(2) == 1 && stack.is_contiguous(), "x's rows and the stack must be contiguous");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+  TORCH_CHECK(stack.scalar_type() == torch::kBFloat16, "the stack must be bf16");
+  const int64_t rows = x.size(0), heads = x.size(1), n = stack.size(1), k = x.size(2);
+  auto out = torch::empty({rows, heads, n}, x.options().dtype(torch::kFloat32));
+#ifdef MOELAUNCH_HAS_AMX
+  TORCH_CHECK(isa::resolve(path) >= isa::kAmx && moelaunch::grouped_amx::fits(n, k),
+              "per_head_linear_cpu needs the AMX tiles and K, N multiples of 32 and 16");
+  ++isa::amx_calls();
+  const auto layout = moelaunch::grouped_amx::Layout::heads(rows, heads, x.stride(0), x.stride(1), n);
+  const auto* w16 = reinterpret_cast<const c10::BFloat16*>(stack.data_ptr());
+  if (x.scalar_type() == torch::kBFloat16) {
+    moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), w16, layout,
+                                           out.data_ptr<float>(), n, k, false);
+  } else {
+    moelaunch::grouped_amx::grouped_linear(x.data_ptr<float>(), w16, layout, out.data_ptr<float>(), n, k, false);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "per_head_linear_cpu needs the AMX tiles, which this build has not");
+#endif
 }
