@@ -61,6 +61,40 @@ def test_pieces_merged_equal_one_masked_softmax(n_queries, n_keys, window, porta
     assert_within(out, expected, bound)
 
 
+def test_cpu_kernel_attends_in_the_dtype_asked_for():
+    """cpu_dtype=bf16 (a bf16 model): q, k and v rounded to bf16, sums in fp32, the result in q's dtype."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 40, 32), torch.randn(2, 40, 32), torch.randn(2, 40, 16)
+    out, lse = prefill_attention.attend(q, k, v, 0.2, causal=True, cpu_dtype=torch.bfloat16)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    rounded = [t.bfloat16().double() for t in (q, k, v)]
+    mask = causal_mask(40, 40, q.device, None).double()
+    scores = torch.einsum("htd,hsd->hts", rounded[0], rounded[1]) * 0.2 + mask
+    expected = torch.einsum("hts,hsv->htv", scores.softmax(dim=-1), rounded[2])
+    # The kernel rounds its softmax weights to bf16 before the second product: 2^-8 of each output.
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2**-7)
+    fp32_out, _ = prefill_attention.attend(q, k, v, 0.2, causal=True)
+    assert not torch.equal(out, fp32_out)
+
+
+def test_a_bf16_model_asks_its_prompts_attention_in_bf16(tmp_path, monkeypatch):
+    asked = []
+    attend = prefill_attention.attend
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("cpu_dtype"))
+        return attend(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_attention, "attend", spy)
+    ids = torch.randint(2, 100, (1, 6))
+    path = make_hf_model(tmp_path)
+    for dtype, expected in (("bfloat16", torch.bfloat16), ("float32", None)):
+        asked.clear()
+        model = load_model(WeightSpec(str(path), dtype=dtype))
+        model(ids, 0, model.new_paged_cache(1, 16))
+        assert asked and set(asked) == {expected}
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return load_model(make_hf_model(tmp_path_factory.mktemp("tiny")))

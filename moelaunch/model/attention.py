@@ -275,8 +275,17 @@ class MLA(nn.Module):
         mask = None
         if window is not None:
             mask = prefill_attention.band_mask(q_start, q.shape[1], k_start, k.shape[0], window, q.device)
+        kv_b = self.kv_b_proj
+        # A bf16 model attends in bf16 (its keys and values come from kv_b's bf16 GEMM).
+        cpu_dtype = kv_b.weight.dtype if kv_b.is_plain() and kv_b.weight.dtype != torch.float32 else None
         return prefill_attention.attend(
-            q, k.transpose(0, 1), v.transpose(0, 1), self.scale, causal=causal and mask is None, mask=mask
+            q,
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            self.scale,
+            causal=causal and mask is None,
+            mask=mask,
+            cpu_dtype=cpu_dtype,
         )
 
     def _absorbed(self, q_nope, q_pe, kv, k_pe, mask) -> torch.Tensor:

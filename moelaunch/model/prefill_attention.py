@@ -26,15 +26,19 @@ def attend(
     causal: bool = False,
     mask: torch.Tensor | None = None,
     portable: bool = False,
+    cpu_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention with its log-sum-exp: (out [H, T, dv], lse [H, T] in float32).
+    """Softmax attention with its log-sum-exp: (out [H, T, dv] in q's dtype, lse [H, T] in float32).
 
     causal: T == S and query i sees keys 0..i. mask: additive [T, S] (0 or -inf); a row it hides
     entirely gets lse = -inf, so it weighs nothing in `merge`. portable: the explicit path that runs on
     any device (the CPU one calls torch's fused CPU flash kernel, the only SDPA entry returning the lse).
+    cpu_dtype: what the CPU kernel computes in (default q's): a bf16 model's prompts attend in bf16, as
+    its GEMMs multiply, with fp32 sums (1.8x the fp32 kernel at 64 tokens a sequence).
     """
     if q.device.type == "cpu" and not portable:
-        out, lse = _flash_cpu(q, k, v, scale, causal, mask)
+        out, lse = _flash_cpu(q, k, v, scale, causal, mask, cpu_dtype or q.dtype)
+        out = out.to(q.dtype)
     else:
         out, lse = _explicit(q, k, v, scale, causal, mask)
     if mask is not None:
@@ -42,13 +46,13 @@ def attend(
     return out, lse
 
 
-def _flash_cpu(q, k, v, scale, causal, mask) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_cpu(q, k, v, scale, causal, mask, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # The kernel wants 4-d inputs, one head size for q, k and v, and a mask of the query's dtype: MLA's
     # values are narrower than its keys, so they are zero-padded (extra output columns, sliced off).
     dv = v.shape[-1]
     width = max(q.shape[-1], dv)
     # one dtype for the three (a bf16 cache under fp32 activations: the keys come as stored)
-    k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
     if mask is not None:
         mask = mask.to(q.dtype)
