@@ -46,6 +46,25 @@ def test_strided_rows_and_the_dispatch():
     assert torch.equal(kernels.rows_finite(wide.bfloat16()), torch.isfinite(wide).all(dim=-1))
 
 
+def test_a_greedy_step_reads_its_logits_once(monkeypatch):
+    """Uncontrolled greedy rows take their tokens and the finite check from one kernel call; a NaN row
+    still gets NON_FINITE_TOKEN, as through the two separate reductions."""
+    from moelaunch.engine import sampler
+    from moelaunch.engine.outputs import NON_FINITE_TOKEN
+    from moelaunch.kernels import cpu_ops
+
+    x = _special_rows(64)
+    calls = []
+    kernel = cpu_ops.cpu_kernel
+    monkeypatch.setattr(
+        "moelaunch.kernels.row_reductions.cpu_kernel", lambda name: calls.append(name) or kernel(name)
+    )
+    tokens = sampler.device_tokens(x, x, None, sampled=False)  # greedy: no draw settings read
+    assert calls == ["argmax_rows_cpu"]
+    expected = torch.where(torch.isfinite(x).all(dim=-1), x.argmax(-1), NON_FINITE_TOKEN)
+    assert torch.equal(tokens, expected)
+
+
 def test_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="fp32"):
         cpu_kernel("argmax_rows_cpu")(torch.zeros(2, 3, dtype=torch.float64))

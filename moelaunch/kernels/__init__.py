@@ -51,7 +51,7 @@ from moelaunch.kernels.int_dispatch import (
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
 from moelaunch.kernels.moe_grouped import moe_experts, moe_grouped_gemm
 from moelaunch.kernels.paged_store import store_rows
-from moelaunch.kernels.row_reductions import row_argmax, rows_finite
+from moelaunch.kernels.row_reductions import row_argmax, row_argmax_and_finite, rows_finite
 from moelaunch.kernels.selection import (
     bf16_gemm_units,
     grouped_linear_on_cpu,
@@ -107,6 +107,7 @@ __all__ = [
     "padded_copy",
     "padded_rows",
     "row_argmax",
+    "row_argmax_and_finite",
     "rows_finite",
     "uses_grouped_linear_kernel",
     "w8a8_grouped_linear",

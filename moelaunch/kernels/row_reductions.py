@@ -22,3 +22,12 @@ def rows_finite(x: Tensor) -> Tensor:
     if selection.row_reductions_on_cpu(x):
         return cpu_kernel("argmax_rows_cpu")(x)[1]
     return torch.isfinite(x).all(dim=-1)
+
+
+def row_argmax_and_finite(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(`row_argmax(x)`, `rows_finite(x)`) from one pass over x where the kernel takes it (a greedy step's
+    logits are read once, not twice)."""
+    if selection.row_reductions_on_cpu(x):
+        index, finite = cpu_kernel("argmax_rows_cpu")(x)
+        return index, finite
+    return x.argmax(-1), torch.isfinite(x).all(dim=-1)
