@@ -170,3 +170,31 @@ def test_routing_on_the_device_matches_host_counts(tokens, cpu_kernels):
     reduction = moe.gate.weight.shape[1] + moe.experts["0"].down_proj.weight.shape[1]
     tolerance = 16 * gamma(reduction) * expected.abs().max().item()
     torch.testing.assert_close(moe(x, static=True), expected, rtol=0, atol=tolerance)
+
+
+def test_bf16_experts_of_a_prompt_step_gather_bf16_rows_with_the_same_result(monkeypatch):
+    """More routed rows than STACKED_MAX_ROWS per expert (a prompt step): the rows are rounded to the
+    experts' bf16 before the gather (the per-expert bf16 GEMMs round them anyway), with bitwise the result
+    of gathering fp32 rows; fewer rows keep fp32 rows (the grouped kernel returns fp32 sums)."""
+    moe = _random_moe(seed=3)
+    moe.to(torch.bfloat16)
+    moe.gate.to(torch.float32)
+    moe.stack_experts()
+    dim, experts = moe.gate.weight.shape[1], moe.n_routed_experts
+    x = torch.randn(STACKED_MAX_ROWS * experts // moe.gate.top_k + 1, dim)
+    gathered = []
+    dispatch = type(moe.dispatch).__call__
+    monkeypatch.setattr(
+        type(moe.dispatch),
+        "__call__",
+        lambda self, rows, *a: gathered.append(rows.dtype) or dispatch(self, rows, *a),
+    )
+    out = moe(x)
+    assert gathered == [torch.bfloat16] and out.dtype == torch.float32
+    monkeypatch.setattr(MoE, "_gathers_in_bf16", lambda *a: False)
+    assert torch.equal(out, moe(x))
+    assert gathered[-1] == torch.float32
+    monkeypatch.undo()
+    gathered.clear()
+    moe(torch.randn(8, dim))
+    assert gathered in ([], [torch.float32])  # few rows: routed on the device, or fp32 rows gathered

@@ -75,8 +75,30 @@ class MoE(nn.Module):
         weights, ids = self.gate(mine)
         if self.counted is not None:
             self._count(ids, None if valid is None else self.dispatch.rows(valid))
-        out = self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0])
+        if self._gathers_in_bf16(mine, ids):
+            # The rows gathered in bf16 (half the bytes), the experts' outputs widened back for the combine.
+            run = lambda rows, counts: self.run_grouped(rows, counts).to(mine.dtype)  # noqa: E731
+            out = self.dispatch(mine.to(self.gate_up.weight.dtype), weights, ids, run, shared, x.shape[0])
+        else:
+            out = self.dispatch(mine, weights, ids, self.run_grouped, shared, x.shape[0])
         return (out if residual is None else residual + out).view(shape)
+
+    def _gathers_in_bf16(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
+        """Whether x's rows may be rounded to the experts' bf16 before the dispatcher gathers them (a
+        prompt step's): with more routed rows than STACKED_MAX_ROWS per expert on average, run_grouped
+        takes the experts one by one through oneDNN's bf16 GEMMs, which round their input and give bf16
+        outputs anyway, so the result is the same. Rows in one process only (other dispatchers send the
+        rows they gather to other ranks)."""
+        stack = self.gate_up
+        return (
+            isinstance(self.dispatch, LocalDispatch)
+            and x.dtype == torch.float32
+            and ids.numel() > STACKED_MAX_ROWS * len(self.local_ids)
+            and stack is not None
+            and stack.quant is None
+            and stack.weight.dtype == torch.bfloat16
+            and kernels.onednn_gemm(stack.weight)
+        )
 
     def _count(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
         counts, layer_id = self.counted
