@@ -24,12 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
-from moelaunch import kernels
 from moelaunch.engine.constraints import Constraints
 from moelaunch.engine.outputs import NON_FINITE_TOKEN
 from moelaunch.engine.sampling_params import SamplingParams
 from moelaunch.engine.sequence import Sequence
-from moelaunch.model.sampling import RowControls, RowSampling, controlled_logits, finite_rows, next_tokens
+from moelaunch.model.sampling import (
+    RowControls,
+    RowSampling,
+    controlled_logits,
+    finite_rows,
+    greedy_and_finite,
+    next_tokens,
+)
 from moelaunch.text.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams.logprobs' upper bound
@@ -205,7 +211,7 @@ def device_tokens(
     NON_FINITE_TOKEN where the raw logits hold a NaN or inf (broken weights). The eager and the static
     step both sample with this, so a row gets the same token from either."""
     if raw is logits and not sampled and guess is None:
-        best, finite = kernels.row_argmax_and_finite(raw)  # greedy rows, uncontrolled: one pass for both
+        best, finite = greedy_and_finite(raw)  # greedy rows, uncontrolled: one pass for both
         return torch.where(finite, best, NON_FINITE_TOKEN)
     finite = finite_rows(raw)
     return torch.where(finite, next_tokens(logits, s, sampled, guess), NON_FINITE_TOKEN)

@@ -183,6 +183,11 @@ def next_tokens(
     return torch.where(greedy, best, drawn)
 
 
+def greedy_and_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([rows] argmax, [rows] whether finite) of greedy rows' logits, from one pass over them."""
+    return kernels.row_argmax_and_finite(logits)
+
+
 def finite_rows(logits: torch.Tensor) -> torch.Tensor:
     """[rows] bool: whether each row of logits holds neither NaN nor inf (broken weights)."""
     return kernels.rows_finite(logits)
