@@ -173,7 +173,7 @@ def test_routing_on_the_device_matches_host_counts(tokens, cpu_kernels):
 
 
 def test_bf16_experts_of_a_prompt_step_gather_bf16_rows_with_the_same_result(monkeypatch):
-    """More routed rows than STACKED_MAX_ROWS per expert (a prompt step): the rows are rounded to the
+    """An expert with more than STACKED_MAX_ROWS routed rows (a prompt step): the rows are rounded to the
     experts' bf16 before the gather (the per-expert bf16 GEMMs round them anyway), with bitwise the result
     of gathering fp32 rows; fewer rows keep fp32 rows (the grouped kernel returns fp32 sums)."""
     moe = _random_moe(seed=3)

@@ -85,19 +85,20 @@ class MoE(nn.Module):
 
     def _gathers_in_bf16(self, x: torch.Tensor, ids: torch.Tensor) -> bool:
         """Whether x's rows may be rounded to the experts' bf16 before the dispatcher gathers them (a
-        prompt step's): with more routed rows than STACKED_MAX_ROWS per expert on average, run_grouped
-        takes the experts one by one through oneDNN's bf16 GEMMs, which round their input and give bf16
-        outputs anyway, so the result is the same. Rows in one process only (other dispatchers send the
-        rows they gather to other ranks)."""
+        prompt step's): when some expert gets more than STACKED_MAX_ROWS rows, run_grouped takes the
+        experts one by one through oneDNN's bf16 GEMMs, which round their input and give bf16 outputs
+        anyway, so the result is the same. Rows in one process only (other dispatchers send the rows
+        they gather to other ranks)."""
         stack = self.gate_up
         return (
             isinstance(self.dispatch, LocalDispatch)
             and x.dtype == torch.float32
-            and ids.numel() > STACKED_MAX_ROWS * len(self.local_ids)
+            and ids.numel() > STACKED_MAX_ROWS
             and stack is not None
             and stack.quant is None
             and stack.weight.dtype == torch.bfloat16
             and kernels.onednn_gemm(stack.weight)
+            and int(torch.bincount(ids.flatten()).max()) > STACKED_MAX_ROWS
         )
 
     def _count(self, ids: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -214,18 +215,25 @@ class MoE(nn.Module):
 
     def run_per_expert_onednn(self, x_sorted: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
         """The local experts one by one through oneDNN's bf16 GEMMs (a prompt step's many rows): x_sorted
-        converted once into a padded buffer; per expert its stacked [gate; up] GEMM, the SiLU gate and
-        the down GEMM on its rows rounded up (kernels.padded_rows: oneDNN's compiled kernels reused).
-        The extra rows read the next experts' rows or the zero tail; their outputs are dropped."""
+        converted once into a padded buffer (bf16 rows, gathered so, read in place); per expert its
+        stacked [gate; up] GEMM, the SiLU gate and the down GEMM on its rows rounded up
+        (kernels.padded_rows: oneDNN's compiled kernels reused). The extra rows read the next experts'
+        rows or a zero tail (a padded copy of the last experts' rows); their outputs are dropped."""
         gate_up_w, down_w = self.gate_up.weight, self.down.weight
         total = x_sorted.shape[0]
-        spare = max(kernels.padded_rows(n) - n for n in local_counts)
-        xp = kernels.padded_copy(x_sorted, gate_up_w.dtype, total + spare)
+        if x_sorted.dtype == gate_up_w.dtype:  # gathered in bf16: only the last experts need a padded copy
+            xp = x_sorted
+        else:
+            spare = max(kernels.padded_rows(n) - n for n in local_counts)
+            xp = kernels.padded_copy(x_sorted, gate_up_w.dtype, total + spare)
         out = torch.empty_like(x_sorted)
         start = 0
         for e, n in enumerate(local_counts):
             if n:
-                rows = xp[start : start + kernels.padded_rows(n)]
+                padded = kernels.padded_rows(n)
+                rows = xp[start : start + padded]
+                if rows.shape[0] < padded:
+                    rows = kernels.padded_copy(rows[:n], gate_up_w.dtype, padded)
                 act = kernels.silu_mul(*F.linear(rows, gate_up_w[e]).chunk(2, dim=-1))
                 out[start : start + n] = F.linear(act, down_w[e])[:n]
                 start += n
