@@ -173,15 +173,15 @@ def test_routing_on_the_device_matches_host_counts(tokens, cpu_kernels):
 
 
 def test_bf16_experts_of_a_prompt_step_gather_bf16_rows_with_the_same_result(monkeypatch):
-    """An expert with more than STACKED_MAX_ROWS routed rows (a prompt step): the rows are rounded to the
-    experts' bf16 before the gather (the per-expert bf16 GEMMs round them anyway), with bitwise the result
-    of gathering fp32 rows; fewer rows keep fp32 rows (the grouped kernel returns fp32 sums)."""
+    """An expert with more routed rows than the grouped kernel takes (a prompt step): the rows are rounded
+    to the experts' bf16 before the gather (the per-expert bf16 GEMMs round them anyway), with bitwise the
+    result of gathering fp32 rows; fewer rows keep fp32 rows (the grouped kernel returns fp32 sums)."""
     moe = _random_moe(seed=3)
     moe.to(torch.bfloat16)
     moe.gate.to(torch.float32)
     moe.stack_experts()
     dim, experts = moe.gate.weight.shape[1], moe.n_routed_experts
-    x = torch.randn(STACKED_MAX_ROWS * experts // moe.gate.top_k + 1, dim)
+    x = torch.randn(moe._grouped_kernel_rows() * experts // moe.gate.top_k + 1, dim)
     gathered = []
     dispatch = type(moe.dispatch).__call__
     monkeypatch.setattr(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_paths import PATHS_HERE
 from tiny_models import YARN, make_hf_model
 
 from moelaunch.kernels import grouped_linear_cpu, mla_decode_cpu
@@ -118,22 +119,35 @@ def test_bf16_logits_are_as_close_as_transformers_own_bf16(bf16_models):
     assert tokens_bf16[:4] == tokens_fp32[:4]
 
 
-def test_bf16_prompt_with_many_rows_per_expert_is_as_close_as_transformers_own_bf16(bf16_models, monkeypatch):
-    """A 320-token prompt sends most experts more rows than the stacked paths take (64): they run one by
-    one through oneDNN's bf16 GEMMs, on their rows rounded up and read from one padded bf16 copy
-    (MoE.run_per_expert_onednn; the engine's stacked experts). The logits stay as close to fp32 as
-    transformers' own bf16 run's (within a quarter)."""
-    from moelaunch.model.moe import MoE
+@pytest.mark.parametrize("experts_path", ["dispatched", "per-expert"])
+def test_bf16_prompt_with_many_rows_per_expert_is_as_close_as_transformers_own_bf16(
+    bf16_models, monkeypatch, experts_path
+):
+    """A 320-token prompt sends most experts more rows than the stacked paths take (64). Where the AMX
+    tiles multiply bf16, the grouped kernel takes them (up to TILES_MAX_ROWS a group); elsewhere, and
+    forced here ("per-expert"), they run one by one through oneDNN's bf16 GEMMs on their rows rounded up
+    (MoE.run_per_expert_onednn). Either way the logits stay as close to fp32 as transformers' own bf16
+    run's (within a quarter)."""
+    from moelaunch.model.moe import STACKED_MAX_ROWS, MoE
 
     path, reference, reference_bf16, _ = bf16_models
     ours_bf16 = load_model(WeightSpec(str(path), dtype="bfloat16"))
     ours_bf16.stack_experts()
-    largest: list[int] = []  # per call, the most rows an expert had
-    per_expert = MoE.run_per_expert_onednn
+    if experts_path == "per-expert":
+        monkeypatch.setattr(MoE, "_grouped_kernel_rows", lambda self: STACKED_MAX_ROWS)
+    taken: list[tuple[str, int]] = []  # per call, the path and the most rows an expert had
+    per_expert, grouped = MoE.run_per_expert_onednn, MoE.run_grouped_kernel
     monkeypatch.setattr(
         MoE,
         "run_per_expert_onednn",
-        lambda self, x, counts: largest.append(max(counts)) or per_expert(self, x, counts),
+        lambda self, x, counts: taken.append(("per-expert", max(counts))) or per_expert(self, x, counts),
+    )
+    monkeypatch.setattr(
+        MoE,
+        "run_grouped_kernel",
+        lambda self, x, offsets: (
+            taken.append(("grouped", int(offsets.diff().max()))) or grouped(self, x, offsets)
+        ),
     )
     ids = prompt(2, 160, seed=9)
     with torch.no_grad():
@@ -145,7 +159,10 @@ def test_bf16_prompt_with_many_rows_per_expert_is_as_close_as_transformers_own_b
     print(f"320 tokens, mean |logit - fp32 logit|: ours {our_error:.4f}, bf16 transformers {their_error:.4f}")
     # Both round every GEMM's inputs to bf16 here (0.0143 vs 0.0147 on the machine this was written on).
     assert 0 < our_error <= 1.25 * their_error
-    assert len(largest) == len(ours_bf16.model.layers) - 1 and min(largest) > 64  # every MoE layer
+    tiles = experts_path == "dispatched" and "amx" in PATHS_HERE
+    expected = "grouped" if tiles else "per-expert"
+    assert [name for name, _ in taken] == [expected] * (len(ours_bf16.model.layers) - 1)  # every MoE layer
+    assert min(rows for _, rows in taken) > STACKED_MAX_ROWS
 
 
 @pytest.mark.parametrize("bf16_units", [True, False], ids=["bf16-gemm", "fp32-copies"])

@@ -53,6 +53,7 @@ from moelaunch.kernels.moe_grouped import moe_experts, moe_grouped_gemm
 from moelaunch.kernels.paged_store import store_rows
 from moelaunch.kernels.row_reductions import row_argmax, row_argmax_and_finite, rows_finite
 from moelaunch.kernels.selection import (
+    amx_tiles_fit,
     bf16_gemm_units,
     grouped_linear_on_cpu,
     int_linear_on_cpu,
@@ -62,6 +63,7 @@ from moelaunch.kernels.selection import (
 )
 
 __all__ = [
+    "amx_tiles_fit",
     "add_rms_norm",
     "bf16_gemm_units",
     "BLOCK_SIZE",
