@@ -186,6 +186,20 @@ void grouped_linear(const typename Dot::x_t* x, const weight_t* weight, const in
   });
 }
 
+#ifdef MOELAUNCH_HAS_AMX
+// The AMX tiles over x's rows as they are (bf16, or fp32 rounded to bf16 as they are packed) into out.
+void tile_products(const torch::Tensor& x, const c10::BFloat16* weight, const moelaunch::grouped_amx::Layout& layout,
+                   torch::Tensor& out, int64_t n, int64_t k, bool gated) {
+  ++isa::amx_calls();
+  if (x.scalar_type() == torch::kBFloat16) {
+    moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), weight, layout,
+                                           out.data_ptr<float>(), n, k, gated);
+  } else {
+    moelaunch::grouped_amx::grouped_linear(x.data_ptr<float>(), weight, layout, out.data_ptr<float>(), n, k, gated);
+  }
+}
+#endif
+
 }  // namespace
 
 // x [T, K] fp32 or bf16 with rows grouped; weight [G, N, K] fp32 or bf16; offsets [G + 1] int64,
@@ -214,14 +228,7 @@ torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::T
 #ifdef MOELAUNCH_HAS_AMX
   if (weight.scalar_type() == torch::kBFloat16 && isa::resolve(path) >= isa::kAmx &&
       moelaunch::grouped_amx::fits(gated ? n / 2 : n, k)) {
-    ++isa::amx_calls();
-    const auto layout = moelaunch::grouped_amx::Layout::grouped(off, groups, k, out.size(1));
-    if (x.scalar_type() == torch::kBFloat16) {
-      moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), w16, layout,
-                                             out.data_ptr<float>(), n, k, gated);
-    } else {
-      moelaunch::grouped_amx::grouped_linear(x.data_ptr<float>(), w16, layout, out.data_ptr<float>(), n, k, gated);
-    }
+    tile_products(x, w16, moelaunch::grouped_amx::Layout::grouped(off, groups, k, out.size(1)), out, n, k, gated);
     return out;
   }
 #endif
@@ -262,15 +269,9 @@ torch::Tensor per_head_linear_cpu(torch::Tensor x, torch::Tensor stack, int64_t 
 #ifdef MOELAUNCH_HAS_AMX
   TORCH_CHECK(isa::resolve(path) >= isa::kAmx && moelaunch::grouped_amx::fits(n, k),
               "per_head_linear_cpu needs the AMX tiles and K, N multiples of 32 and 16");
-  ++isa::amx_calls();
-  const auto layout = moelaunch::grouped_amx::Layout::heads(rows, heads, x.stride(0), x.stride(1), n);
   const auto* w16 = reinterpret_cast<const c10::BFloat16*>(stack.data_ptr());
-  if (x.scalar_type() == torch::kBFloat16) {
-    moelaunch::grouped_amx::grouped_linear(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()), w16, layout,
-                                           out.data_ptr<float>(), n, k, false);
-  } else {
-    moelaunch::grouped_amx::grouped_linear(x.data_ptr<float>(), w16, layout, out.data_ptr<float>(), n, k, false);
-  }
+  tile_products(x, w16, moelaunch::grouped_amx::Layout::heads(rows, heads, x.stride(0), x.stride(1), n), out, n, k,
+                false);
   return out;
 #else
   TORCH_CHECK(false, "per_head_linear_cpu needs the AMX tiles, which this build has not");
