@@ -42,20 +42,21 @@ def grouped_linear_cpu(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool =
     kernel's epilogue.
 
     Summed in fp32 and returned in x's dtype (bf16 rows go in as they are: the kernel widens them, or
-    multiplies them in bf16 pairs with a bf16 weight).
+    multiplies them in bf16 pairs or tiles with a bf16 weight).
     """
-    bf16_weight = weight.dtype == torch.bfloat16
     groups, n, _ = weight.shape
     tiles = x.shape[0] >= AMX_MIN_ROWS_PER_GROUP * groups and amx_tiles_fit(weight, n // 2 if gated else n)
-    path = _BF16_DOT_PATH if amx_tiles() and not tiles else kernel_isa_path()
     epilogue = gated and (tiles or x.shape[0] <= GATED_EPILOGUE_MAX_ROWS * groups)
-    # Without the tiles fp32 rows are rounded only for several groups (routed experts, the decode heads'
-    # per-head products): 1.0-1.4x there, while a single weight's few rows lost up to 8 % in bf16 pairs
-    # (benchmarks/bf16_kernels.py).
-    grouped = groups > 1 and bf16_weight
-    in_bf16 = x.dtype == torch.bfloat16 or (grouped and bf16_dot_products())
-    # The tiles round fp32 rows to bf16 as they pack them.
-    rows = x if tiles else cast_if_needed(x, torch.bfloat16 if in_bf16 else torch.float32)
+    if tiles:
+        rows, path = x, kernel_isa_path()  # the tiles round fp32 rows to bf16 as they pack them
+    else:
+        # fp32 rows are rounded only for several groups (routed experts, the decode heads' per-head
+        # products): 1.0-1.4x there, while a single weight's few rows lost up to 8 % in bf16 pairs
+        # (benchmarks/bf16_kernels.py).
+        grouped = groups > 1 and weight.dtype == torch.bfloat16
+        in_bf16 = x.dtype == torch.bfloat16 or (grouped and bf16_dot_products())
+        rows = cast_if_needed(x, torch.bfloat16 if in_bf16 else torch.float32)
+        path = _BF16_DOT_PATH if amx_tiles() else kernel_isa_path()  # too few rows for the tiles
     out = cpu_kernel("grouped_linear_cpu")(
         rows.contiguous(),
         weight.contiguous(),

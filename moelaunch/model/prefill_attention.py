@@ -51,7 +51,8 @@ def _flash_cpu(q, k, v, scale, causal, mask, dtype) -> tuple[torch.Tensor, torch
     # values are narrower than its keys, so they are zero-padded (extra output columns, sliced off).
     dv = v.shape[-1]
     width = max(q.shape[-1], dv)
-    # one dtype for the three (a bf16 cache under fp32 activations: the keys come as stored)
+    # One dtype for the three: the one asked for (keys from a bf16 cache under fp32 activations come as
+    # stored, and are widened unless the model computes in bf16).
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) if t.shape[-1] < width else t for t in (q, k, v))
     if mask is not None:
