@@ -140,3 +140,36 @@ def test_integer_triton_kernels_trace_as_custom_ops(monkeypatch):
     out, ops = compiled_ops(projections, x)
     assert ops == {"int8_linear_triton", "w8a8_linear_triton", "int4_linear_triton", "int8_act_quant_triton"}
     torch.testing.assert_close(out, projections(x), rtol=0, atol=0)
+
+
+def test_cpu_kernels_run_without_the_gil():
+    """While the engine thread is inside a kernel, another Python thread (a server's HTTP loop) runs: it
+    ticks in the second half of the call. Holding the GIL, the call would let it tick only around its
+    start and its return (the interpreter's switches: every 5 ms of bytecode)."""
+    import threading
+    import time
+
+    if not kernels.prepare_cpu_kernels():
+        pytest.fail("the CPU kernels did not build")
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    x, weight = torch.randn(64, 4096), torch.randn(8, 4096, 4096)  # a call of ~50 ms: 8 weights of 64 MB
+    offsets = torch.arange(0, 65, 8)
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            kernels.grouped_linear(x, weight, offsets)
+            end = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+    assert end - start > 0.02, "the call was too short to tell"
+    assert any((start + end) / 2 < t < end - 0.005 for t in ticks), (start, end, ticks)

@@ -4,6 +4,8 @@ recompiles, and its count of device ops per layer."""
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,6 +34,22 @@ def prompts(n: int) -> list[list[int]]:
 def tokens(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
     outs = llm.generate(prompts(len(params)), params)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def python_files_run(fn: Callable[[], object]) -> set[str]:
+    """The source files of the Python functions that run while fn does."""
+    files: set[str] = set()
+
+    def record(frame, event, arg) -> None:
+        if event == "call":
+            files.add(frame.f_code.co_filename)
+
+    sys.setprofile(record)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return files
 
 
 def count_static_runs(llm: LLM) -> list[tuple[int, str]]:
@@ -147,6 +165,12 @@ def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantiza
         assert counters["stats"]["unique_graphs"] - graphs_before == 3
         assert tokens(llm, params) == expected  # the same buckets and seeds again: nothing recompiles
         assert counters["stats"]["unique_graphs"] - graphs_before == 3
+        # The compiled step calls its kernels from C++ (the graph's C++ wrapper, the kernels' C++
+        # registrations): no Python of the model, the kernels or torch's custom-op layer runs inside it.
+        with torch.inference_mode():
+            files = python_files_run(lambda: static.step_fn(static.buffers[1], SAMPLED))
+        inside = ("/moelaunch/kernels/", "/moelaunch/model/", "/torch/_library/")
+        assert not {f for f in files if any(part in f for part in inside)}
 
 
 # Device ops per layer of a batch-1 static decode step on the V3 shape below: 19.4 measured (23.4 before

@@ -112,7 +112,8 @@ class EngineConfig(BaseModel):
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
         description="torch.compile the static decode step (fullgraph, one graph per batch bucket); "
-        "auto: on for CUDA, off on the CPU (measured slower there, docs/benchmarks.md)",
+        "auto: on for CUDA, off on the CPU, where each bucket's first step compiles for 6-17 s (then "
+        "cached on disk), though the compiled step is faster there: 1.1-1.3x (docs/benchmarks.md)",
     )
     cuda_graphs: bool | None = Field(
         None, description="replay each batch bucket's decode step as a CUDA graph; default: on for CUDA"

@@ -185,6 +185,15 @@ def require() -> ModuleType:
     return ext
 
 
+def built() -> ModuleType:
+    """The kernels for a call the dispatcher has already sent to them (having asked `module()`): the
+    environment is not read again on every kernel call, a cost small decode steps feel."""
+    ext = _build()
+    if ext is None:
+        return require()  # its error names the cause
+    return ext
+
+
 def cast_if_needed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t in `dtype`, without a call when it already is: at decode sizes even a no-op .to() shows."""
     return t if t.dtype == dtype else t.to(dtype)

@@ -112,8 +112,13 @@ def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, gated: bool = Fal
 
 
 @functools.cache
-def _head_offsets(heads: int, rows: int) -> Tensor:
+def _head_offsets_made(heads: int, rows: int) -> Tensor:
     return torch.arange(0, heads * rows + 1, rows)
+
+
+@torch.compiler.assume_constant_result  # traced as a constant of the graph, as `_one_group`
+def _head_offsets(heads: int, rows: int) -> Tensor:
+    return _head_offsets_made(heads, rows)
 
 
 def per_head_linear(x: Tensor, stack: Tensor) -> Tensor:

@@ -21,12 +21,14 @@ def _store(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
     flat.index_copy_(0, slots, rows)
 
 
-@torch.library.custom_op("moelaunch::store_rows", mutates_args=("pool",))
-def _store_op(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
-    _store(pool, layer, slots, rows)
+_LIBRARY = torch.library.Library("moelaunch", "FRAGMENT")
+_LIBRARY.define("store_rows(Tensor(a!) pool, int layer, Tensor slots, Tensor rows) -> ()")
+# Every device's implementation; the C++ CPU kernels register a CPU one when they load (csrc/bindings.cpp),
+# which the dispatcher prefers there.
+torch.library.impl("moelaunch::store_rows", "CompositeExplicitAutograd", lib=_LIBRARY)(_store)
 
 
-@_store_op.register_fake
+@torch.library.register_fake("moelaunch::store_rows", lib=_LIBRARY)
 def _(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
     return None
 
@@ -34,4 +36,4 @@ def _(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
 def store_rows(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
     """pool [layers, blocks, block_size, W]: rows [N, W] (pool's dtype) into layer `layer` at flat slots
     (block * block_size + offset)."""
-    (_store_op if traced() else _store)(pool, layer, slots, rows)
+    (torch.ops.moelaunch.store_rows if traced() else _store)(pool, layer, slots, rows)

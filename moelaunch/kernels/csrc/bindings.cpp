@@ -1,4 +1,6 @@
-// The CPU kernels' Python module: one extension, built once per machine (kernels/cpu_extension.py).
+// The CPU kernels' Python module (pybind11: eager calls) and their CPU implementations of the torch ops
+// that kernels/cpu_ops.py declares (TORCH_LIBRARY_IMPL: traced and compiled calls). One extension, built
+// once per machine (kernels/cpu_extension.py).
 #include <torch/extension.h>
 
 #include "cpu_isa.h"
@@ -39,26 +41,29 @@ std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids,
 std::vector<torch::Tensor> argmax_rows_cpu(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, "paged MLA decode (absorbed form) on the CPU",
+  // The kernels run without the GIL (their arguments are converted before, their results after): a
+  // server's HTTP thread answers, streams and detokenizes while the engine thread is inside one.
+  const auto kRelease = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_mla_decode_cpu", &paged_mla_decode_cpu, kRelease, "paged MLA decode (absorbed form) on the CPU",
         py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("starts") = py::none(), py::arg("path") = -1);
-  m.def("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu, "paged MLA decode over an fp8 cache",
+  m.def("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu, kRelease, "paged MLA decode over an fp8 cache",
         py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("cache_scales"), py::arg("block_table"),
         py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none());
-  m.def("grouped_linear_cpu", &grouped_linear_cpu, "x @ weight[g]^T per group of rows, for few rows; gated: SiLU-gated",
+  m.def("grouped_linear_cpu", &grouped_linear_cpu, kRelease, "x @ weight[g]^T per group of rows, for few rows; gated: SiLU-gated",
         py::arg("x"), py::arg("weight"), py::arg("offsets"), py::arg("gated") = false, py::arg("path") = -1);
-  m.def("per_head_linear_cpu", &per_head_linear_cpu, "x [R, H, K] @ stack[h]^T per head h, through the AMX tiles",
+  m.def("per_head_linear_cpu", &per_head_linear_cpu, kRelease, "x [R, H, K] @ stack[h]^T per head h, through the AMX tiles",
         py::arg("x"), py::arg("stack"), py::arg("path") = -1);
-  m.def("rms_norm_cpu", &rms_norm_cpu, "RMSNorm of fp32 rows");
-  m.def("mla_latent_cpu", &mla_latent_cpu, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
-  m.def("mla_input_norms_cpu", &mla_input_norms_cpu,
+  m.def("rms_norm_cpu", &rms_norm_cpu, kRelease, "RMSNorm of fp32 rows");
+  m.def("mla_latent_cpu", &mla_latent_cpu, kRelease, "in place: RMSNorm of the MLA latent, rotary embedding of its k_pe");
+  m.def("mla_input_norms_cpu", &mla_input_norms_cpu, kRelease,
         "mla_latent_cpu in place on the latent, and RMSNorm of q_a into a new tensor, in one pass");
-  m.def("rotate_tail_cpu", &rotate_tail_cpu, "in place: rotary embedding of each head's last columns");
-  m.def("silu_mul_cpu", &silu_mul_cpu, "silu(gate) * up");
-  m.def("moe_combine_cpu", &moe_combine_cpu,
+  m.def("rotate_tail_cpu", &rotate_tail_cpu, kRelease, "in place: rotary embedding of each head's last columns");
+  m.def("silu_mul_cpu", &silu_mul_cpu, kRelease, "silu(gate) * up");
+  m.def("moe_combine_cpu", &moe_combine_cpu, kRelease,
         "residual + base + the routing-weighted sum of each token's expert outputs", py::arg("y"), py::arg("slot"),
         py::arg("weights"), py::arg("base") = py::none(), py::arg("residual") = py::none());
-  m.def("add_rms_norm_cpu", &add_rms_norm_cpu, "(x + y, RMSNorm(x + y)) of fp32 rows");
+  m.def("add_rms_norm_cpu", &add_rms_norm_cpu, kRelease, "(x + y, RMSNorm(x + y)) of fp32 rows");
   // `path` (cpu_isa.h): 0 scalar, 1 AVX2, 2 AVX-512, 3 AVX-512 + BF16, 4 AMX, -1 the best built.
   m.def("cpu_isa_best_path", [] { return static_cast<int64_t>(moelaunch::isa::best_path()); },
         "the best instruction-set path this build has");
@@ -67,12 +72,68 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_calls", [] { return moelaunch::isa::amx_calls().load(); },
         "how many kernel calls ran their products through the AMX tiles");
   // Integer weights (int_linear_cpu.cpp).
-  m.def("int8_linear_cpu", &int8_linear_cpu, "x @ (q * scale)^T per group of rows, int8 weights");
-  m.def("int4_linear_cpu", &int4_linear_cpu, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");
-  m.def("w8a8_linear_cpu", &w8a8_linear_cpu, "int8 x (quantized per row) @ int8 q^T, both scales", py::arg("x"),
+  m.def("int8_linear_cpu", &int8_linear_cpu, kRelease, "x @ (q * scale)^T per group of rows, int8 weights");
+  m.def("int4_linear_cpu", &int4_linear_cpu, kRelease, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");
+  m.def("w8a8_linear_cpu", &w8a8_linear_cpu, kRelease, "int8 x (quantized per row) @ int8 q^T, both scales", py::arg("x"),
         py::arg("q"), py::arg("scale"), py::arg("offsets"), py::arg("path"), py::arg("row_amax") = py::none());
-  m.def("moe_route_cpu", &moe_route_cpu, "MoE router after its GEMM: scores, groups, top-k, weights");
-  m.def("moe_gate_cpu", &moe_gate_cpu, "the router's GEMM, then moe_route_cpu");
-  m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, "(token, expert) pairs sorted by expert, their rows gathered");
-  m.def("argmax_rows_cpu", &argmax_rows_cpu, "each row's first maximum (or first NaN) and whether it is finite");
+  m.def("moe_route_cpu", &moe_route_cpu, kRelease, "MoE router after its GEMM: scores, groups, top-k, weights");
+  m.def("moe_gate_cpu", &moe_gate_cpu, kRelease, "the router's GEMM, then moe_route_cpu");
+  m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, kRelease, "(token, expert) pairs sorted by expert, their rows gathered");
+  m.def("argmax_rows_cpu", &argmax_rows_cpu, kRelease, "each row's first maximum (or first NaN) and whether it is finite");
+}
+
+namespace {
+
+std::tuple<torch::Tensor, torch::Tensor> as_pair(const std::vector<torch::Tensor>& v) { return {v[0], v[1]}; }
+
+// kernels/paged_store.py's write of rows into one layer of a paged pool, for compiled CPU steps: there its
+// Python implementation would be the one Python call left between the graph's ops.
+void store_rows_cpu(torch::Tensor pool, int64_t layer, torch::Tensor slots, torch::Tensor rows) {
+  auto flat = pool.select(0, layer).view({-1, pool.size(-1)});
+  if (flat.element_size() == 1) {  // fp8: index_copy_ has no fp8 kernel; the bytes are the same as uint8
+    flat = flat.view(torch::kUInt8);
+    rows = rows.view(torch::kUInt8);
+  }
+  flat.index_copy_(0, slots, rows);
+}
+
+}  // namespace
+
+// The schemas are declared in kernels/cpu_ops.py; the ops returning tuples or nothing are adapted here.
+TORCH_LIBRARY_IMPL(moelaunch, CPU, m) {
+  m.impl("paged_mla_decode_cpu", &paged_mla_decode_cpu);
+  m.impl("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu);
+  m.impl("grouped_linear_cpu", &grouped_linear_cpu);
+  m.impl("per_head_linear_cpu", &per_head_linear_cpu);
+  m.impl("rms_norm_cpu", &rms_norm_cpu);
+  m.impl("mla_latent_cpu", [](torch::Tensor latent, torch::Tensor weight, double eps, torch::Tensor cos,
+                              torch::Tensor sin, bool interleaved) {
+    mla_latent_cpu(latent, weight, eps, cos, sin, interleaved);
+  });
+  m.impl("mla_input_norms_cpu", &mla_input_norms_cpu);
+  m.impl("rotate_tail_cpu", [](torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t p, bool interleaved) {
+    rotate_tail_cpu(x, cos, sin, p, interleaved);
+  });
+  m.impl("silu_mul_cpu", &silu_mul_cpu);
+  m.impl("moe_combine_cpu", &moe_combine_cpu);
+  m.impl("add_rms_norm_cpu", [](torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps) {
+    return as_pair(add_rms_norm_cpu(x, y, weight, eps));
+  });
+  m.impl("moe_route_cpu", [](torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t top_k,
+                             int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize, double scale) {
+    return as_pair(moe_route_cpu(logits, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale));
+  });
+  m.impl("moe_gate_cpu", [](torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, int64_t top_k,
+                            int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize, double scale) {
+    return as_pair(moe_gate_cpu(x, weight, bias, top_k, n_groups, topk_groups, sigmoid, normalize, scale));
+  });
+  m.impl("moe_sort_rows_cpu", [](torch::Tensor x, torch::Tensor ids, int64_t n_experts) {
+    auto v = moe_sort_rows_cpu(x, ids, n_experts);
+    return std::make_tuple(v[0], v[1], v[2], v[3]);
+  });
+  m.impl("int8_linear_cpu", &int8_linear_cpu);
+  m.impl("int4_linear_cpu", &int4_linear_cpu);
+  m.impl("w8a8_linear_cpu", &w8a8_linear_cpu);
+  m.impl("store_rows", &store_rows_cpu);
+  m.impl("argmax_rows_cpu", [](torch::Tensor logits) { return as_pair(argmax_rows_cpu(logits)); });
 }
