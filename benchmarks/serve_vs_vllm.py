@@ -2,6 +2,7 @@
 each loaded by the same client (`launch bench serve`'s, streamed /v1/completions, greedy, ignore_eos).
 
     python -m benchmarks.serve_vs_vllm --model DIR --vllm-venv /tmp/vllm-venv [--dtypes float32,bfloat16]
+        [--compile on]
 
 Per dtype: this engine's server, then vLLM's (one compute thread each: vLLM's OpenMP pinned to core 0;
 enforce-eager; in fp32 its CPU_MLA backend, which the AMX one refuses), each loaded `--rounds` times
@@ -30,13 +31,13 @@ from moelaunch.measure.machine import machine_line
 MAX_NUM_SEQS, MAX_BATCHED_TOKENS, KV_CACHE_BYTES, MAX_MODEL_LEN = 64, 2048, 1 << 30, 512
 
 
-def our_server(model: Path, dtype: str, workdir: Path) -> tuple[subprocess.Popen, str]:
+def our_server(model: Path, dtype: str, workdir: Path, compile: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     config = workdir / f"serve-{dtype}.yaml"
     config.write_text(
         f"model: {model}\ndtype: {dtype}\n"
         f"engine: {{max_num_seqs: {MAX_NUM_SEQS}, max_num_batched_tokens: {MAX_BATCHED_TOKENS}, "
-        f"kv_cache_memory: {KV_CACHE_BYTES}, max_model_len: {MAX_MODEL_LEN}}}\n"
+        f"kv_cache_memory: {KV_CACHE_BYTES}, max_model_len: {MAX_MODEL_LEN}, compile: {compile}}}\n"
         f"server: {{port: {port}, served_model_name: bench}}\njob: {{mode: serve}}\n"
     )
     return start_server(config, port)
@@ -94,6 +95,9 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--compile", choices=("auto", "on", "off"), default="auto", help="this server's engine.compile"
+    )
     opts = p.parse_args()
     model = opts.model.resolve()
     print(f"machine: {machine_line('cpu')}", flush=True)
@@ -102,7 +106,7 @@ def main() -> None:
         for dtype in opts.dtypes.split(","):
             report[dtype] = {}
             for system, start in (
-                ("moelaunch", lambda d=dtype: our_server(model, d, Path(tmp))),
+                ("moelaunch", lambda d=dtype: our_server(model, d, Path(tmp), opts.compile)),
                 ("vllm", lambda d=dtype: vllm_server(opts.vllm_venv, model, d, Path(tmp))),
             ):
                 print(f"{dtype}: {system} serving", flush=True)
