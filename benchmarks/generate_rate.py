@@ -1,7 +1,8 @@
 """Out tokens per second of `LLM.generate` on random prompts, one process, one thread: B prompts of 64
 random token ids, 64 tokens out each, greedy, ignore_eos; the median (min-max) of 3 timed runs after a
-warm-up. The runs share their prompts, so from the second on the prefix cache holds them: the median
-is mostly decode (what the A/Bs it serves compare); `launch bench` gives fresh prompts every round.
+warm-up on the same prompts (which compiles the batch's decode step under --compile on). The prefix
+cache holds the prompts by then, so the median is mostly decode (what the A/Bs it serves compare);
+`launch bench` gives fresh prompts every round.
 For A/Bs decided by the environment (e.g. MOELAUNCH_CPU_ISA=avx512 against the default), run it once
 per setting, alternating:
 
@@ -28,13 +29,14 @@ def main() -> None:
     p.add_argument("model")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", default="8,64")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="engine.compile")
     a = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(model=a.model, dtype=a.dtype)
+    llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile)
     rng = random.Random(0)
     for batch in map(int, a.batch_sizes.split(",")):
         prompts = [[rng.randrange(100, 1000) for _ in range(PROMPT_LEN)] for _ in range(batch)]
-        llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
         times = []
         for _ in range(RUNS):

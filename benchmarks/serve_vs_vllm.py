@@ -37,7 +37,7 @@ def our_server(model: Path, dtype: str, workdir: Path, compile: str) -> tuple[su
     config.write_text(
         f"model: {model}\ndtype: {dtype}\n"
         f"engine: {{max_num_seqs: {MAX_NUM_SEQS}, max_num_batched_tokens: {MAX_BATCHED_TOKENS}, "
-        f"kv_cache_memory: {KV_CACHE_BYTES}, max_model_len: {MAX_MODEL_LEN}, compile: {compile}}}\n"
+        f"kv_cache_memory: {KV_CACHE_BYTES}, max_model_len: {MAX_MODEL_LEN}, compile: '{compile}'}}\n"
         f"server: {{port: {port}, served_model_name: bench}}\njob: {{mode: serve}}\n"
     )
     return start_server(config, port)

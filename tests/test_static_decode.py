@@ -14,6 +14,7 @@ from tiny_models import add_byte_tokenizer, make_hf_model
 
 from moelaunch.engine.static_decode import GREEDY, LOGITS, LOGPROBS, SAMPLED, StaticDecode, decode_buckets
 from moelaunch.engine.step_ops import StepOps, SyncError
+from moelaunch.engine.warm_up import warm_up_decode
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.measure.random_checkpoint import write_random_checkpoint
 
@@ -171,6 +172,29 @@ def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantiza
             files = python_files_run(lambda: static.step_fn(static.buffers[1], SAMPLED))
         inside = ("/moelaunch/kernels/", "/moelaunch/model/", "/torch/_library/")
         assert not {f for f in files if any(part in f for part in inside)}
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_every_bucket_before_traffic(v3_model):
+    """What `launch serve` runs before it listens under compile: on: after it, greedy and sampled
+    batches of every bucket's size compile nothing more."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    options = dict(kv_cache_memory=16_000_000, block_size=8, max_num_seqs=4, cuda_graph_sizes=[1, 4])
+    with LLM(v3_model, compile="on", **options) as llm:
+        graphs_before = counters["stats"]["unique_graphs"]
+        sizes, _ = warm_up_decode(llm.engine, llm.spec.engine)
+        assert sizes == [1, 4]
+        assert counters["stats"]["unique_graphs"] - graphs_before == 4  # 2 sizes x greedy, sampled
+        runs = count_static_runs(llm)
+        for n in (4, 1):
+            tokens(llm, [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)] * n)
+            tokens(llm, [SAMPLED_PARAMS] * n)
+        assert sorted({(llm.engine.runner.static.bucket(n), v) for n, v in runs}) == [
+            (1, GREEDY), (1, SAMPLED), (4, GREEDY), (4, SAMPLED)
+        ]  # fmt: skip
+        assert counters["stats"]["unique_graphs"] - graphs_before == 4
 
 
 # Device ops per layer of a batch-1 static decode step on the V3 shape below: 19.4 measured (23.4 before

@@ -56,6 +56,12 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in sizes if b < max_num_seqs] + [next(b for b in sizes if b >= max_num_seqs)]
 
 
+def bucket_sizes(max_num_seqs: int, sizes: list[int] | None) -> list[int]:
+    """The buckets a step is padded to: the configured sizes (engine.cuda_graph_sizes), else
+    `decode_buckets`."""
+    return sorted(sizes) if sizes else decode_buckets(max_num_seqs)
+
+
 def static_decode_supported(model: Transformer, cache: PagedLatentCache, single_stage: bool) -> str | None:
     """Why this model shard cannot take the static step, or None when it can."""
     if not single_stage:
@@ -87,7 +93,7 @@ class StaticDecode:
         # Routed load is counted (engine/routed_load.py): the step tells padding rows apart for it.
         self.mark_padding = any(m.counted is not None for m in model.modules() if isinstance(m, MoE))
         self.device = device
-        self.buckets = sorted(sizes) if sizes else decode_buckets(max_num_seqs)
+        self.buckets = bucket_sizes(max_num_seqs, sizes)
         self.width = -(-max_model_len // cache.block_size)  # block table columns
         self.buffers: dict[int, torch.Tensor] = {}
         self.hosts: dict[int, torch.Tensor] = {}

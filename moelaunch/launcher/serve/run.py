@@ -11,6 +11,7 @@ import uvicorn
 
 from moelaunch.engine.progress_log import ProgressLog
 from moelaunch.engine.stats import EngineStats
+from moelaunch.engine.warm_up import warm_up_decode
 from moelaunch.launcher.deploy.config import API_KEY_ENV, DeployConfig
 from moelaunch.launcher.serve.app import build_app
 from moelaunch.launcher.serve.engine_loop import EngineLoop, Progress
@@ -56,6 +57,12 @@ def run_serve(client, cfg: DeployConfig, sock: socket.socket) -> int:
         special_tokens_in_content=s.allow_special_tokens_in_content
         or cfg.engine.allow_special_tokens_in_content,
     )
+    if cfg.engine.compile == "on":
+        print(
+            "serve: compiling the decode step for every batch size (engine.compile: on)...", file=sys.stderr
+        )
+        sizes, seconds = warm_up_decode(engine, cfg.engine, cfg.parallel.dp)
+        print(f"serve: decode step compiled for batch sizes {sizes} in {seconds:.0f} s", file=sys.stderr)
     host, port = sock.getsockname()[:2]
     loop.start()
     key_note = "API key required" if state.api_key else f"no API key (set server.api_key or {API_KEY_ENV})"
