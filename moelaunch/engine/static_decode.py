@@ -106,7 +106,7 @@ class StaticDecode:
             dynamo.recompile_limit = max(dynamo.recompile_limit, variants)
             dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 4 * variants)
             # On the CPU the graph's wrapper is C++ too: the step runs without Python between its ops
-            # (2.5 against 3.3 ms at batch 1 with the Python wrapper's 2.9; docs/benchmarks.md).
+            # (4.2-4.5 ms a step against 4.5-4.7 with the Python wrapper at batch 16; docs/benchmarks.md).
             options = {"cpp_wrapper": True} if device.type == "cpu" else None
             self.step_fn = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options)
         # Set by CUDA graph capture: replay(bucket, variant) for the CAPTURED variants.
