@@ -106,7 +106,7 @@ def amx_tiles_fit(weight: Tensor, width: int) -> bool:
     weight, K and the width in whole tiles (32 and 16 values: csrc/grouped_linear_amx.h's `fits`), on the
     amx path."""
     return (
-        weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[-1] % 32 == 0
+        weight.dtype == torch.bfloat16 and weight.is_cpu and weight.shape[-1] % 32 == 0
         and width % 16 == 0 and amx_tiles()
     )  # fmt: skip
 
