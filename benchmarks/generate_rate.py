@@ -30,9 +30,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-sizes", default="8,64")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto", help="engine.compile")
+    p.add_argument("--quantization", choices=("none", "int8", "w8a8", "int4"), default="none")
     a = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile)
+    llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile, quantization=a.quantization)
     rng = random.Random(0)
     for batch in map(int, a.batch_sizes.split(",")):
         prompts = [[rng.randrange(100, 1000) for _ in range(PROMPT_LEN)] for _ in range(batch)]

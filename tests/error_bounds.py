@@ -73,3 +73,11 @@ def assert_within(actual: Tensor, expected: Tensor, bound: Tensor) -> None:
             f"{int(outside.sum())} of {err.numel()} elements outside the error bound; worst at flat index "
             f"{worst}: |error| {err.flatten()[worst]:.3g} > bound {bound.flatten()[worst]:.3g}"
         )
+
+
+def activation_codes_error(x: Tensor, w_abs: Tensor) -> Tensor:
+    """Bound on what the CPU integer-weight kernels' 16-bit codes of x add to x @ W.T: each value of a row
+    is off by at most half a code step (row amax / 32767, rounded, so 0.505 of one), times sum |W| of the
+    output's weights. x [T, K], w_abs |W| [N, K] -> [T, N], float64."""
+    step = x.double().abs().amax(dim=-1, keepdim=True) / 32767
+    return 0.505 * step * w_abs.double().sum(dim=-1)

@@ -1,6 +1,7 @@
-"""The C++ integer-weight kernels (csrc/int_linear_cpu.cpp) against the torch references, on every
-instruction-set path: the CPU's best and each slower fallback, forced (MOELAUNCH_CPU_ISA). A path this
-CPU lacks (an AVX2-only machine has no AVX-512) cannot run here: forcing it must be refused clearly."""
+"""The C++ integer-weight kernels (csrc/int_linear_cpu.cpp) against the torch references and float64
+products, on every instruction-set path: the CPU's best and each slower fallback, forced
+(MOELAUNCH_CPU_ISA). A path this CPU lacks (an AVX2-only machine has no AVX-512) cannot run here:
+forcing it must be refused clearly."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cpu_paths import PATHS_HERE
-from error_bounds import assert_within, gamma
+from error_bounds import activation_codes_error, assert_within, gamma
 
 from moelaunch import kernels
 from moelaunch.kernels import cpu_extension, int_linear_cpu, selection
@@ -56,16 +57,32 @@ def _per_group(
     return exact, magnitude
 
 
+def _assert_products_of_16bit_codes(
+    out: torch.Tensor, x: torch.Tensor, counts: list[int], dense: list[torch.Tensor], k: int
+) -> None:
+    """The weight-only kernels multiply x's rows as 16-bit codes (x ~ code * step, step = amax / 32767):
+    their result is the float64 product of the codes to fp32 rounding, so within the codes' rounding
+    (plus that) of the product of x itself."""
+    step = x.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 32767
+    codes = torch.round(x / step)
+    assert codes.abs().max() <= 32767
+    on_codes, magnitude = _per_group(codes.double() * step.double(), counts, dense)
+    assert_within(out, on_codes, gamma(k + 3) * magnitude)
+    on_x, _ = _per_group(x, counts, dense)
+    codes_error = torch.cat(
+        [activation_codes_error(p, w.abs()) for p, w in zip(x.split(counts), dense, strict=True)]
+    )
+    assert_within(out, on_x, gamma(k + 3) * magnitude + codes_error)
+
+
 @pytest.mark.parametrize(("counts", "n", "k", "group"), CASES)
 def test_int8_kernel_matches_the_dequantized_product(counts, n, k, group, isa_path):
     x, w, offsets = _stacks(counts, n, k, seed=n + k)
     q, s = zip(*(int8_ref.int8_weight_quant_ref(wg) for wg in w), strict=True)
     out = int_linear_cpu.int8_linear_cpu(x, torch.stack(q), torch.stack(s), offsets)
-    exact, magnitude = _per_group(
-        x, counts, [int8_ref.int8_dequant_ref(*p, torch.float64) for p in zip(q, s, strict=True)]
-    )
+    dense = [int8_ref.int8_dequant_ref(*p, torch.float64) for p in zip(q, s, strict=True)]
     assert out.shape == (sum(counts), n) and out.dtype == torch.float32
-    assert_within(out, exact, gamma(k + 1) * magnitude)
+    _assert_products_of_16bit_codes(out, x, counts, dense, k)
 
 
 @pytest.mark.parametrize(("counts", "n", "k", "group"), CASES)
@@ -77,9 +94,7 @@ def test_int4_kernel_matches_the_dequantized_product(counts, n, k, group, isa_pa
     dense = [
         int4_ref.int4_dequant_ref(*p, group, torch.float64) for p in zip(packed, scale, zero, strict=True)
     ]
-    exact, magnitude = _per_group(x, counts, dense)
-    # The kernel dequantizes as code * scale - zero * scale (one more rounding per weight than the reference).
-    assert_within(out, exact, gamma(k + 3) * magnitude)
+    _assert_products_of_16bit_codes(out, x, counts, dense, k)
 
 
 @pytest.mark.parametrize(("counts", "n", "k", "group"), CASES)
@@ -107,13 +122,34 @@ def test_w8a8_with_a_given_row_amax_quantizes_with_it(isa_path):
     assert not torch.equal(out, int8_ref.w8a8_linear_ref(x, q, s))
 
 
-def test_bf16_rows_are_computed_in_fp32_and_returned_in_bf16(isa_path):
-    x, w, offsets = _stacks([3], 16, 256, seed=5)
-    q, s = int8_ref.int8_weight_quant_ref(w[0])
-    out = int_linear_cpu.int8_linear_cpu(x.bfloat16(), q[None], s[None], offsets)
-    assert out.dtype == torch.bfloat16
-    expected = int8_ref.int8_linear_ref(x.bfloat16().float(), q, s)
-    torch.testing.assert_close(out.float(), expected, rtol=2**-8, atol=0)
+@pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
+def test_gated_and_bf16_results_round_the_fp32_sums_once(method, isa_path):
+    """gated (a [gate; up] stack) gives silu(gate) * up of the plain product; bf16 rows give the result of
+    the same values in fp32 (the same codes), rounded once to bf16, gated or not."""
+    x, w, offsets = _stacks([3, 0, 2], 32, 256, seed=7)
+    if method == "int4":
+        quantized = (int4_ref.int4_weight_quant_ref(wg) for wg in w)
+        tensors = [torch.stack(t) for t in zip(*quantized, strict=True)]
+
+        def call(rows, gated):
+            return int_linear_cpu.int4_linear_cpu(rows, *tensors, offsets, kernels.INT4_GROUP_SIZE, gated)
+    else:
+        quantized = (int8_ref.int8_weight_quant_ref(wg) for wg in w)
+        tensors = [torch.stack(t) for t in zip(*quantized, strict=True)]
+        kernel = getattr(int_linear_cpu, f"{method}_linear_cpu")
+
+        def call(rows, gated):
+            return kernel(rows, *tensors, offsets, gated)
+
+    gate, up = call(x, False).chunk(2, dim=-1)
+    gated = call(x, True)
+    assert gated.shape == (5, 16)
+    torch.testing.assert_close(gated, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    rows = x.bfloat16()
+    for gated in (False, True):
+        out = call(rows, gated)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, call(rows.float(), gated).bfloat16())
 
 
 def test_an_unknown_path_is_refused(monkeypatch):
@@ -157,7 +193,7 @@ def test_entry_points_take_the_kernel_for_cpu_rows_and_the_reference_without_it(
     assert len(calls) == 2
     for got, expected in zip(with_kernel, without, strict=True):
         assert got.shape == expected.shape
-        tolerance = 0 if method == "w8a8" else 1e-5
+        tolerance = 0 if method == "w8a8" else 2**-12  # the weight-only kernels' 16-bit codes of x
         torch.testing.assert_close(
             got, expected, rtol=tolerance, atol=tolerance * expected.abs().max().item()
         )

@@ -155,7 +155,9 @@ def test_integer_experts_stack_and_match_expert_by_expert(method, tokens, cpu_ke
     moe.run_grouped_kernel = lambda *a: calls.append(1) or original(*a)
     got = moe(x)
     assert bool(calls) == cpu_kernels
-    torch.testing.assert_close(got, expected, rtol=0 if method == "w8a8" else 1e-5, atol=1e-5)
+    # Weight-only: the kernels' 16-bit codes of the expert inputs, which the two paths sum in different
+    # orders, may round a value to the neighbouring code.
+    torch.testing.assert_close(got, expected, rtol=0 if method == "w8a8" else 2**-12, atol=1e-5)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 4 * STACKED_MAX_ROWS])

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 import yaml
-from error_bounds import U32, gamma
+from error_bounds import U32, activation_codes_error, gamma
 from safetensors import safe_open
 from tiny_models import add_byte_tokenizer, make_hf_model
 from torch import Tensor
@@ -215,7 +215,9 @@ def test_int4_column_slice_keeps_the_rows_groups(start, end, local):
     assert torch.equal(int4_ref.int4_dequant_ref(*sliced, local, torch.float32), whole[:, start:end])
     x = _randn(3, end - start, seed=12)
     expected = x.double() @ whole[:, start:end].double().T
-    bound = _gemm_bound(x, whole[:, start:end].abs(), end - start)
+    # The CPU kernel multiplies x's 16-bit codes: their rounding adds to the fp32 bound.
+    sliced_abs = whole[:, start:end].abs()
+    bound = _gemm_bound(x, sliced_abs, end - start) + activation_codes_error(x, sliced_abs)
     assert ((int4_linear(x, *sliced, local).double() - expected).abs() <= bound).all()
 
 
@@ -317,8 +319,10 @@ def test_int8_checkpoint_runs_as_w8a8_when_asked(dirs):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_quantized_model_equals_its_dequantized_twin(dirs, method):
-    """The integer kernels compute exactly the model whose projections hold the dequantized weights (for
-    w8a8: up to the activation rounding, at most half a step per token and element)."""
+    """The integer kernels compute the model whose projections hold the dequantized weights, up to the
+    rounding of the activations' integer codes: at most half a step per token and element, of 127 steps
+    for w8a8 and of 32767 for the weight-only methods' 16-bit codes (measured 1.8e-5 of the largest
+    logit for int8)."""
     quantized = load_model(dirs[method])
     twin = load_model(dirs["orig"])
     modules = dict(quantized.named_modules())
@@ -328,7 +332,7 @@ def test_quantized_model_equals_its_dequantized_twin(dirs, method):
     got, expected = quantized(IDS), twin(IDS)
     diff = (got - expected).abs().max().item()
     print(f"{method} vs its dequantized twin: max |dlogit| = {diff:.2e}")
-    assert diff <= (0.02 if method == "w8a8" else 1e-5) * expected.abs().max().item()
+    assert diff <= (0.02 if method == "w8a8" else 1e-4) * expected.abs().max().item()
 
 
 def test_integer_logits_within_the_stated_bounds(tmp_path):

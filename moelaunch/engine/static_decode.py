@@ -112,6 +112,14 @@ class StaticDecode:
         # Set by CUDA graph capture: replay(bucket, variant) for the CAPTURED variants.
         self.replay: Callable[[int, str], torch.Tensor] | None = None
 
+    @torch.inference_mode()
+    def prime(self) -> None:
+        """One eager step of padding rows at the smallest and the largest bucket, before any is traced:
+        it makes the model's decode-time caches (MLA's absorbed per-head stacks of each form, a quantized
+        kv_b's dequantized matrix), which compiled steps then read instead of remaking on every call."""
+        for bucket in sorted({self.buckets[0], self.buckets[-1]}):
+            self.forward(self.buffer(bucket), GREEDY)
+
     def takes(self, chunks: list[ScheduledChunk]) -> bool:
         """Decode-only (one token per sequence, no draft), and within the largest bucket."""
         return 0 < len(chunks) <= self.buckets[-1] and all(c.length == 1 and not c.draft for c in chunks)
@@ -208,6 +216,8 @@ def build_static_decode(
     static = StaticDecode(
         model, cache, config.max_num_seqs, max_model_len, device, compile, config.cuda_graph_sizes
     )
+    if compile:
+        static.prime()
     if graphs:
         buffers = {b: static.buffer(b) for b in static.buckets}
         static.replay = capture(static.step_fn, buffers, CAPTURED, device)

@@ -149,24 +149,32 @@ def _(x: Tensor, ids: Tensor, n_experts: int) -> tuple[Tensor, Tensor, Tensor, T
             ids.new_empty(ids.shape))  # fmt: skip
 
 
-@_kernel_op("int8_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor offsets, int path) -> Tensor")
-def _(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, path: int) -> Tensor:
-    return x.new_empty(x.shape[0], q.shape[1], dtype=torch.float32)
+def _int_out(x: Tensor, n: int, gated: bool) -> Tensor:
+    # x's dtype (fp32 or bf16): the kernels round their fp32 sums once; gated halves [gate; up].
+    return x.new_empty(x.shape[0], n // 2 if gated else n)
 
 
 @_kernel_op(
-    "w8a8_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor offsets, int path, Tensor? row_amax) -> Tensor"
+    "int8_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor offsets, bool gated, int path) -> Tensor"
 )
-def _(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, path: int, row_amax: Tensor | None) -> Tensor:
-    return x.new_empty(x.shape[0], q.shape[1], dtype=torch.float32)
+def _(x: Tensor, q: Tensor, scale: Tensor, offsets: Tensor, gated: bool, path: int) -> Tensor:
+    return _int_out(x, q.shape[1], gated)
+
+
+@_kernel_op(
+    "w8a8_linear_cpu(Tensor x, Tensor q, Tensor scale, Tensor offsets, bool gated, int path, "
+    "Tensor? row_amax) -> Tensor"
+)
+def _(x, q, scale, offsets, gated, path, row_amax) -> Tensor:
+    return _int_out(x, q.shape[1], gated)
 
 
 @_kernel_op(
     "int4_linear_cpu(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor offsets, int group_size, "
-    "int path) -> Tensor"
+    "bool gated, int path) -> Tensor"
 )
-def _(x, packed, scale, zero, offsets, group_size, path) -> Tensor:
-    return x.new_empty(x.shape[0], packed.shape[1], dtype=torch.float32)
+def _(x, packed, scale, zero, offsets, group_size, gated, path) -> Tensor:
+    return _int_out(x, packed.shape[1], gated)
 
 
 @_kernel_op("argmax_rows_cpu(Tensor logits) -> (Tensor, Tensor)")

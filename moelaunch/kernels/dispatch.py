@@ -116,7 +116,7 @@ def _head_offsets_made(heads: int, rows: int) -> Tensor:
     return torch.arange(0, heads * rows + 1, rows)
 
 
-@torch.compiler.assume_constant_result  # traced as a constant of the graph, as `_one_group`
+@torch.compiler.assume_constant_result  # traced as a constant of the graph, as `one_group`
 def _head_offsets(heads: int, rows: int) -> Tensor:
     return _head_offsets_made(heads, rows)
 
@@ -139,7 +139,7 @@ def _one_group_made(rows: int) -> Tensor:
 
 
 @torch.compiler.assume_constant_result  # traced as a constant of the graph, not rebuilt per call
-def _one_group(rows: int) -> Tensor:
+def one_group(rows: int) -> Tensor:
     """Offsets [0, rows] (never written to): made once per row count, not once per layer and step."""
     return _one_group_made(rows)
 
@@ -163,5 +163,5 @@ def linear(x: Tensor, weight: Tensor, gated: bool = False) -> Tensor:
             return silu_mul(*out.chunk(2, dim=-1))
         return out.to(x.dtype)
     flat = x.reshape(rows, x.shape[-1])
-    out = linear_cpu.grouped_linear_cpu(flat, weight.unsqueeze(0), _one_group(rows), gated)
+    out = linear_cpu.grouped_linear_cpu(flat, weight.unsqueeze(0), one_group(rows), gated)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,7 +1,9 @@
 """The INT8 / INT4 weight entry points: Triton, the C++ CPU kernels or the torch reference, as `selection`
 says; quantizing and dequantizing weights (conversion, load) always take the references.
 
-The grouped forms run rows grouped by `offsets` against stacked weights [G, N, ...] (the routed experts).
+The grouped forms run rows grouped by `offsets` against stacked weights [G, N, ...] (the routed experts;
+a plain projection is one group); `gated` ([gate; up] stacks) returns silu(gate) * up, which the C++
+kernels apply as they write and the other paths in a pass of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from torch import Tensor
 from moelaunch.kernels import int4_reference as int4_ref
 from moelaunch.kernels import int8_reference as int8_ref
 from moelaunch.kernels import int_linear_cpu as int_cpu
-from moelaunch.kernels.dispatch import _one_group
+from moelaunch.kernels.dispatch import one_group
+from moelaunch.kernels.fused import silu_mul
 from moelaunch.kernels.grouped_linear_reference import per_group
 from moelaunch.kernels.int4_reference import INT4_GROUP_SIZE
 from moelaunch.kernels.selection import int_linear_on_cpu, use_triton
@@ -48,7 +51,7 @@ def int8_dequant(q: Tensor, s: Tensor, out_dtype: torch.dtype | None = None) -> 
 def _as_one_group(kernel: Callable[..., Tensor], x: Tensor, *stacks: Tensor) -> Tensor:
     """A grouped CPU kernel on x [..., K] and one weight's tensors: [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
-    out = kernel(rows, *(s.unsqueeze(0) for s in stacks), _one_group(rows.shape[0]))
+    out = kernel(rows, *(s.unsqueeze(0) for s in stacks), one_group(rows.shape[0]))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -61,11 +64,15 @@ def int8_linear(x: Tensor, q: Tensor, s: Tensor) -> Tensor:
     return int8_ref.int8_linear_ref(x, q, s)
 
 
-def int8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor) -> Tensor:
-    """int8_linear per group: x [T, K], q [G, N, K], s [G, N] -> [T, N]."""
+def _gate(out: Tensor, gated: bool) -> Tensor:
+    return silu_mul(*out.chunk(2, dim=-1)) if gated else out
+
+
+def int8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+    """int8_linear per group: x [T, K], q [G, N, K], s [G, N] -> [T, N] (gated: [T, N / 2])."""
     if int_linear_on_cpu(x):
-        return int_cpu.int8_linear_cpu(x, q, s, offsets)
-    return per_group(int8_linear, x, offsets, q, s)
+        return int_cpu.int8_linear_cpu(x, q, s, offsets, gated)
+    return _gate(per_group(int8_linear, x, offsets, q, s), gated)
 
 
 def int8_act_quant(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,11 +92,11 @@ def w8a8_linear(x: Tensor, q: Tensor, s: Tensor, amax: Tensor | None = None) -> 
     return int8_ref.w8a8_linear_ref(x, q, s, amax)
 
 
-def w8a8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor) -> Tensor:
-    """w8a8_linear per group: x [T, K], q [G, N, K], s [G, N] -> [T, N]."""
+def w8a8_grouped_linear(x: Tensor, q: Tensor, s: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
+    """w8a8_linear per group: x [T, K], q [G, N, K], s [G, N] -> [T, N] (gated: [T, N / 2])."""
     if int_linear_on_cpu(x):
-        return int_cpu.w8a8_linear_cpu(x, q, s, offsets)
-    return per_group(w8a8_linear, x, offsets, q, s)
+        return int_cpu.w8a8_linear_cpu(x, q, s, offsets, gated)
+    return _gate(per_group(w8a8_linear, x, offsets, q, s), gated)
 
 
 def int4_weight_quant(w: Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[Tensor, Tensor, Tensor]:
@@ -114,10 +121,17 @@ def int4_linear(x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, group_si
 
 
 def int4_grouped_linear(
-    x: Tensor, packed: Tensor, scale: Tensor, zero: Tensor, offsets: Tensor, group_size: int
+    x: Tensor,
+    packed: Tensor,
+    scale: Tensor,
+    zero: Tensor,
+    offsets: Tensor,
+    group_size: int,
+    gated: bool = False,
 ) -> Tensor:
-    """int4_linear per group: x [T, K], packed [G, N, K/2], scale / zero [G, N, groups] -> [T, N]."""
+    """int4_linear per group: x [T, K], packed [G, N, K/2], scale / zero [G, N, groups] -> [T, N] (gated:
+    [T, N / 2])."""
     if int_linear_on_cpu(x):
-        return int_cpu.int4_linear_cpu(x, packed, scale, zero, offsets, group_size)
+        return int_cpu.int4_linear_cpu(x, packed, scale, zero, offsets, group_size, gated)
     linear = functools.partial(int4_linear, group_size=group_size)
-    return per_group(linear, x, offsets, packed, scale, zero)
+    return _gate(per_group(linear, x, offsets, packed, scale, zero), gated)

@@ -199,9 +199,12 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """The decode rows' queries ([R, H, *]) at once, in the absorbed form over the paged latent
         cache: [R, H, v]."""
-        # The kernel reads float weights in their own dtype (bf16 under fp32 rows): no copy per step.
+        # The kernel reads float weights in their own dtype (bf16 under fp32 rows): no copy per step. A
+        # quantized kv_b is dequantized once to the model's float dtype (the norms'), not to the rows'
+        # (fp32 under a bf16 model on the CPU, which read twice the bytes of the bf16 model's kv_b).
         held = self.kv_b_proj.weight
-        w_uk, w_uv = self._absorbed_weights(held.dtype if self.kv_b_proj.is_plain() else q_nope.dtype)
+        plain = self.kv_b_proj.is_plain()
+        w_uk, w_uv = self._absorbed_weights(held.dtype if plain else self.kv_a_layernorm.weight.dtype)
         heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
         if heads_kernel:
             uk_t, uv = self._decode_heads.get(w_uk, w_uv, held, w_uk.dtype)

@@ -29,8 +29,13 @@ class DecodeHeadWeights:
     def get(self, w_uk: Tensor, w_uv: Tensor, source: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """w_uk [H, nope, C] and w_uv [H, v, C] (views of `source`, the kv_b weight), wanted in `dtype`."""
         if torch.compiler.is_compiling():
-            # A traced step cannot key a cache on data pointers: the stacks are made in the graph (the
-            # grouped kernel runs only on the CPU, where compile is off unless asked for).
+            # A traced step cannot key a cache on data pointers: it reads the stacks an eager step made
+            # for this dtype (StaticDecode.prime runs one before compiling), so a step compiled before
+            # kv_b's weight is replaced keeps the old ones, as Linear.dense_weight does. Without them
+            # the graph makes the stacks on every call (a kv_b-sized copy a step: ~10% of a batch-1
+            # step on the bench model).
+            if self._stacks is not None and self._key is not None and self._key[0] == dtype:
+                return self._stacks
             return self._made(w_uk.to(dtype), w_uv.to(dtype))
         key = (dtype, source.data_ptr())
         if self._stacks is None or self._key != key:

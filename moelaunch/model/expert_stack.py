@@ -63,19 +63,21 @@ class ExpertStack:
                     setattr(lin, attr, nn.Parameter(view, requires_grad=False) if attr == "weight" else view)
         return stack
 
+    def linear(self, x: Tensor, gated: bool = False) -> Tensor:
+        """x [..., K] through a one-expert stack (a dense MLP's [gate; up])."""
+        rows = x.reshape(-1, x.shape[-1])
+        out = self.grouped(rows, kernels.one_group(rows.shape[0]), gated)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
     def grouped(self, x: Tensor, offsets: Tensor, gated: bool = False) -> Tensor:
         """Rows offsets[e]:offsets[e+1] of x through expert e's projection. gated (a [gate; up] stack):
-        silu(gate) * up, in the float kernel's epilogue; integer kernels gate in a pass of their own."""
+        silu(gate) * up, in the kernels' epilogue."""
         if self.quant is None:
             return kernels.grouped_linear(x, self.weight, offsets, gated)
-        out = self._int_grouped(x, offsets)
-        return kernels.silu_mul(*out.chunk(2, dim=-1)) if gated else out
-
-    def _int_grouped(self, x: Tensor, offsets: Tensor) -> Tensor:
         if self.quant.method == "int4":
             return kernels.int4_grouped_linear(
-                x, self.weight, self.scale, self.zero, offsets, self.quant.group_size
+                x, self.weight, self.scale, self.zero, offsets, self.quant.group_size, gated
             )
         if self.quant.quantize_activations:
-            return kernels.w8a8_grouped_linear(x, self.weight, self.scale, offsets)
-        return kernels.int8_grouped_linear(x, self.weight, self.scale, offsets)
+            return kernels.w8a8_grouped_linear(x, self.weight, self.scale, offsets, gated)
+        return kernels.int8_grouped_linear(x, self.weight, self.scale, offsets, gated)

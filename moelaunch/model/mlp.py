@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from moelaunch import kernels
+from moelaunch.model.expert_stack import ExpertStack
 from moelaunch.model.sharding import WHOLE, ModelShard
 
 
@@ -18,19 +19,28 @@ class MLP(nn.Module):
         self.gate_proj = shard.column(dim, inter_dim)
         self.up_proj = shard.column(dim, inter_dim)
         self.down_proj = shard.row(inter_dim, dim)
-        self.gate_up: torch.Tensor | None = None  # set by stack_gate_up(): [gate; up], one product
+        # Set by stack_gate_up(), [gate; up] as one product: a float weight, or integer weights' stack.
+        self.gate_up: torch.Tensor | None = None
+        self.int_gate_up: ExpertStack | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:  # the SiLU gating in the product's epilogue (bf16 after a bf16 GEMM)
+        # The SiLU gating in the product's epilogue (bf16 after a bf16 GEMM).
+        if self.gate_up is not None:
             return self.down_proj(kernels.linear(x, self.gate_up, gated=True)).to(x.dtype)
+        if self.int_gate_up is not None:
+            return self.down_proj(self.int_gate_up.linear(x, gated=True))
         return self.down_proj(kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
     @torch.no_grad()
     def stack_gate_up(self) -> None:
         """For inference: gate and up as one weight (one product per call instead of two); the two
-        projections' weights become views of it. Plain float weights only (quantized ones keep theirs)."""
+        projections' tensors become views of it. Plain float or integer weights (block-FP8 keeps its
+        own)."""
         gate, up = self.gate_proj, self.up_proj
-        if any(lin.quant is not None or lin.weight.element_size() < 2 for lin in (gate, up)):
+        if gate.quant is not None:
+            self.int_gate_up = ExpertStack.of([[gate, up]])
+            return
+        if any(lin.weight.element_size() < 2 for lin in (gate, up)):
             return
         self.gate_up = torch.cat([gate.weight, up.weight])
         inter = gate.out_features

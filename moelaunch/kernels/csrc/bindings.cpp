@@ -26,11 +26,11 @@ torch::Tensor moe_combine_cpu(torch::Tensor y, torch::Tensor slot, torch::Tensor
                               c10::optional<torch::Tensor> base, c10::optional<torch::Tensor> residual);
 std::vector<torch::Tensor> add_rms_norm_cpu(torch::Tensor x, torch::Tensor y, torch::Tensor weight, double eps);
 torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
-                              int64_t path);
+                              bool gated, int64_t path);
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
-                              torch::Tensor offsets, int64_t group_size, int64_t path);
+                              torch::Tensor offsets, int64_t group_size, bool gated, int64_t path);
 torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
-                              int64_t path, c10::optional<torch::Tensor> row_amax);
+                              bool gated, int64_t path, c10::optional<torch::Tensor> row_amax);
 std::vector<torch::Tensor> moe_route_cpu(torch::Tensor logits, c10::optional<torch::Tensor> bias, int64_t top_k,
                                          int64_t n_groups, int64_t topk_groups, bool sigmoid, bool normalize,
                                          double scale);
@@ -75,7 +75,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_cpu", &int8_linear_cpu, kRelease, "x @ (q * scale)^T per group of rows, int8 weights");
   m.def("int4_linear_cpu", &int4_linear_cpu, kRelease, "x @ ((q - zero) * scale)^T per group of rows, int4 weights");
   m.def("w8a8_linear_cpu", &w8a8_linear_cpu, kRelease, "int8 x (quantized per row) @ int8 q^T, both scales", py::arg("x"),
-        py::arg("q"), py::arg("scale"), py::arg("offsets"), py::arg("path"), py::arg("row_amax") = py::none());
+        py::arg("q"), py::arg("scale"), py::arg("offsets"), py::arg("gated"), py::arg("path"),
+        py::arg("row_amax") = py::none());
   m.def("moe_route_cpu", &moe_route_cpu, kRelease, "MoE router after its GEMM: scores, groups, top-k, weights");
   m.def("moe_gate_cpu", &moe_gate_cpu, kRelease, "the router's GEMM, then moe_route_cpu");
   m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, kRelease, "(token, expert) pairs sorted by expert, their rows gathered");

@@ -1,6 +1,5 @@
 // The instruction-set paths of the CPU kernels, one ladder for all (selection.CPU_ISA_PATHS names them,
-// MOELAUNCH_CPU_ISA forces a lower one). The integer-weight kernels take each as a small traits struct
-// of float-vector operations, so that one kernel template serves every path:
+// MOELAUNCH_CPU_ISA forces a lower one); each kernel templates its loops on the path:
 // - Amx: Avx512Bf16 plus the AMX tile unit (AMX-TILE, AMX-BF16), 16 x 16 x 32 bf16 products per
 //   instruction, used by MLA decode over a bf16 cache (mla_decode_amx.h); the other kernels run their
 //   Avx512Bf16 code on it. Linux hands a process the tiles' state only when asked (amx_permitted): an
@@ -8,8 +7,9 @@
 // - Avx512Bf16: AVX-512 plus vdpbf16ps (AVX512-BF16), bf16 x bf16 dot products with fp32 sums, used by
 //   the grouped-linear and MLA decode kernels when both operands are bf16 (bf16_dot.h); the integer
 //   kernels have nothing to gain from it and run their Avx512 code;
-// - Avx512: 16 fp32 lanes (AVX-512F), and for W8A8 the integer dot products of AVX512-VNNI;
-// - Avx2: 8 fp32 lanes (AVX2 + FMA), W8A8 through 16-bit multiply-adds (vpmaddwd);
+// - Avx512: 16 fp32 lanes (AVX-512F), and for the integer-weight kernels the integer dot products of
+//   AVX512-VNNI;
+// - Avx2: 8 fp32 lanes (AVX2 + FMA), integer dot products through 16-bit multiply-adds (vpmaddwd);
 // - Scalar: one lane, plain C++ (any CPU; the reference the vector paths are tested against).
 // The float kernels below Avx512Bf16 widen bf16 to fp32 (simd.h) whatever the path.
 // A path exists in a build only when the compiler targets its instructions (the build is -march=native),
@@ -41,67 +41,6 @@
 namespace moelaunch::isa {
 
 enum Path : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
-
-struct Scalar {
-  using F = float;
-  static constexpr int L = 1;
-  static F zero() { return 0.f; }
-  static F set1(float v) { return v; }
-  static F load(const float* p) { return *p; }
-  static F fma(F a, F b, F c) { return a * b + c; }
-  static F load_i8(const int8_t* p) { return static_cast<float>(*p); }
-  // Two lanes' worth of int4 codes from L bytes: low nibbles (even columns) and high ones (odd columns).
-  static void load_u4(const uint8_t* p, F& lo, F& hi) {
-    lo = static_cast<float>(*p & 15);
-    hi = static_cast<float>(*p >> 4);
-  }
-  static float sum(F v) { return v; }
-};
-
-#ifdef MOELAUNCH_HAS_AVX2
-struct Avx2 {
-  using F = __m256;
-  static constexpr int L = 8;
-  static F zero() { return _mm256_setzero_ps(); }
-  static F set1(float v) { return _mm256_set1_ps(v); }
-  static F load(const float* p) { return _mm256_loadu_ps(p); }
-  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-  static F load_i8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
-  static void load_u4(const uint8_t* p, F& lo, F& hi) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-  }
-  static float sum(F v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-};
-#endif
-
-#ifdef MOELAUNCH_HAS_AVX512
-struct Avx512 {
-  using F = __m512;
-  static constexpr int L = 16;
-  static F zero() { return _mm512_setzero_ps(); }
-  static F set1(float v) { return _mm512_set1_ps(v); }
-  static F load(const float* p) { return _mm512_loadu_ps(p); }
-  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-  static F load_i8(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-  static void load_u4(const uint8_t* p, F& lo, F& hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-  }
-  static float sum(F v) { return _mm512_reduce_add_ps(v); }
-};
-#endif
 
 #ifdef MOELAUNCH_HAS_AMX
 // Whether Linux lets this process use the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM for

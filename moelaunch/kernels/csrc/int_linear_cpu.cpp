@@ -1,14 +1,22 @@
-// Integer-weight linear layers for few rows on the CPU, reading the quantized weights as stored:
+// Integer-weight linear layers on the CPU, reading the quantized weights as stored:
 // out[rows of group g] = x[rows of group g] @ W[g]^T, with W[g] one of
-// - INT8 per output channel (weight-only): W = q * scale[n]; the products run in fp32 on the int8 codes
-//   widened in registers, the channel scale applied once per output;
-// - INT4 in groups of input columns with zero points (weight-only): W = (q - zero) * scale per group;
-//   codes unpacked and dequantized in registers (two per byte, low nibble = even column);
-// - W8A8: x quantized per row to int8 here (the reference's rounding), int32 dot products (AVX512-VNNI
-//   vpdpbusd, or AVX2 vpmaddwd), then both scales.
-// Decode reads each weight once: a quarter (INT8) or an eighth (INT4) of the fp32 bytes. Like the float
-// grouped-linear kernel, tiles of 3 weight rows x up to 4 input rows let each weight load feed several
-// rows, and groups without rows (idle experts) never touch their weights.
+// - INT8 per output channel (weight-only): W = q * scale[n];
+// - INT4 in groups of input columns with zero points (weight-only): W = (q - zero) * scale per group,
+//   two codes per byte (low nibble = even column);
+// - W8A8: x quantized per row to int8 here (the reference's rounding), then both scales.
+// Every product is an integer one: x's rows become integer codes first (W8A8: int8, amax / 127; the
+// weight-only methods: 16-bit fixed point, amax / 32767, whose error, at most amax / 65534 a value, is
+// far under bf16's own rounding of a row's largest values). Widening every weight to fp32 instead cost
+// more instructions than the weight's bytes saved (INT8 ran slower than bf16, issue 30). The paths:
+// - AVX-512: vpdpwssd (AVX512-VNNI, 16-bit pairs summed into int32; INT4 codes unpacked to 16 bits less
+//   their zero point) and vpdpbusd for W8A8 (unsigned x + 128 by signed weights, less 128 * sum(w));
+// - AVX2: vpmaddwd (16-bit pairs) for all three;
+// - scalar: plain integer C++.
+// int32 lanes sum at most kChunk columns (W8A8, INT8) or one INT4 group before they are widened, so no
+// sum can overflow. Decode reads each weight once: half (INT8) or a quarter (INT4) of bf16's bytes. Tiles
+// of 3 weight rows x up to 4 input rows let each weight load feed several rows; groups without rows
+// (idle experts) never touch their weights. `gated` ([gate; up] stacks) applies silu(gate) * up to each
+// task's columns while they are in cache; the result is in x's dtype (fp32 or bf16, rounded once).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -18,30 +26,39 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "simd.h"
 
 namespace {
 
 namespace isa = moelaunch::isa;
+using moelaunch::silu_mul_row;
 
 constexpr int kWeightTile = 3;
+// Decode's one or two rows take twice the weight rows a tile: each (row, weight row) is one chain of
+// dependent dot-product instructions (5 cycles each), and 3 chains left the core waiting on them.
+constexpr int kFewRows = 2;
+constexpr int kFewRowsWeightTile = 6;
 constexpr int kRowTile = 4;
-constexpr int64_t kTaskWeightRows = 60;  // weight rows per parallel task, a multiple of kWeightTile
+constexpr int64_t kTaskWeightRows = 60;  // weight rows per parallel task, a multiple of both weight tiles
+// Columns an int32 lane sums before it is widened: 2048 / 16 vpmaddwd steps of 2 * 32767 * 128 < 2^31.
+constexpr int64_t kChunk = 2048;
+constexpr float kCodes16 = 32767.f;
+constexpr float kCodes8 = 127.f;
 
-// Runs kern.tile<MR, NR>(g, m, n) over every (group, row tile, weight tile) with rows, in parallel over
-// groups x chunks of weight rows.
+// Runs kern.tile<MR, NR>(g, m, n, out) over rows [m0, m1) of group g against weight rows [n, n + NR).
 template <int NR, class Kern>
-void rows_of(const Kern& kern, int64_t g, int64_t m0, int64_t m1, int64_t n) {
+void rows_of(const Kern& kern, int64_t g, int64_t m0, int64_t m1, int64_t n, float* out) {
   int64_t m = m0;
-  for (; m + kRowTile <= m1; m += kRowTile) kern.template tile<kRowTile, NR>(g, m, n);
+  for (; m + kRowTile <= m1; m += kRowTile) kern.template tile<kRowTile, NR>(g, m, n, out);
   switch (m1 - m) {
     case 3:
-      kern.template tile<3, NR>(g, m, n);
+      kern.template tile<3, NR>(g, m, n, out);
       break;
     case 2:
-      kern.template tile<2, NR>(g, m, n);
+      kern.template tile<2, NR>(g, m, n, out);
       break;
     case 1:
-      kern.template tile<1, NR>(g, m, n);
+      kern.template tile<1, NR>(g, m, n, out);
       break;
     default:
       break;
@@ -49,223 +66,417 @@ void rows_of(const Kern& kern, int64_t g, int64_t m0, int64_t m1, int64_t n) {
 }
 
 template <class Kern>
-void run_grouped(const Kern& kern, const int64_t* offsets, int64_t groups, int64_t n_total) {
-  const int64_t tasks_per_group = (n_total + kTaskWeightRows - 1) / kTaskWeightRows;
+void weight_rows(const Kern& kern, int64_t g, int64_t m0, int64_t m1, int64_t n0, int64_t n1, float* out) {
+  int64_t n = n0;
+  if (m1 - m0 <= kFewRows) {
+    for (; n + kFewRowsWeightTile <= n1; n += kFewRowsWeightTile) rows_of<kFewRowsWeightTile>(kern, g, m0, m1, n, out);
+  }
+  for (; n + kWeightTile <= n1; n += kWeightTile) rows_of<kWeightTile>(kern, g, m0, m1, n, out);
+  for (; n < n1; ++n) rows_of<1>(kern, g, m0, m1, n, out);
+}
+
+// fp32 sums of [T, n_total] into out [T, n_out] of type O; gated: out = silu(gate) * up, n_out = n_total / 2.
+template <typename O>
+struct Sink {
+  O* out;
+  float* sums;  // [T, n_total]
+  int64_t n_total;
+  bool gated;
+  bool direct;  // sums is out (fp32, not gated): nothing to finish
+
+  void finish(int64_t m0, int64_t m1, int64_t n0, int64_t n1) const {
+    if (direct) return;
+    const int64_t n_out = gated ? n_total / 2 : n_total;
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = sums + m * n_total;
+      if (gated) {
+        silu_mul_row(row + n0, row + n_out + n0, n1 - n0, out + m * n_out + n0);
+      } else {
+        for (int64_t n = n0; n < n1; ++n) out[m * n_out + n] = O(row[n]);
+      }
+    }
+  }
+};
+
+// Every (group, chunk of output columns) with rows as one parallel task; a gated task takes gate columns
+// [n0, n1) and the up columns that pair with them.
+template <class Kern, typename O>
+void run_grouped(const Kern& kern, const int64_t* offsets, int64_t groups, const Sink<O>& sink) {
+  const int64_t n_out = sink.gated ? sink.n_total / 2 : sink.n_total;
+  const int64_t tile = sink.gated ? kTaskWeightRows / 2 : kTaskWeightRows;
+  const int64_t tasks_per_group = (n_out + tile - 1) / tile;
   at::parallel_for(0, groups * tasks_per_group, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / tasks_per_group;
       const int64_t m0 = offsets[g], m1 = offsets[g + 1];
       if (m0 == m1) continue;
-      const int64_t n_end = std::min(n_total, (task % tasks_per_group + 1) * kTaskWeightRows);
-      int64_t n = (task % tasks_per_group) * kTaskWeightRows;
-      for (; n + kWeightTile <= n_end; n += kWeightTile) rows_of<kWeightTile>(kern, g, m0, m1, n);
-      for (; n < n_end; ++n) rows_of<1>(kern, g, m0, m1, n);
+      const int64_t n0 = (task % tasks_per_group) * tile, n1 = std::min(n_out, n0 + tile);
+      weight_rows(kern, g, m0, m1, n0, n1, sink.sums);
+      if (sink.gated) weight_rows(kern, g, m0, m1, n_out + n0, n_out + n1, sink.sums);
+      sink.finish(m0, m1, n0, n1);
     }
   });
 }
 
-// INT8 weight-only: x [T, K] fp32, q [G, N, K] int8, scale [G, N].
-template <class I>
-struct Int8Kernel {
-  const float* x;
-  const int8_t* q;
-  const float* scale;
-  float* out;
-  int64_t n_total, k;
-
-  template <int MR, int NR>
-  void tile(int64_t g, int64_t m, int64_t n) const {
-    const float* xm = x + m * k;
-    const int8_t* w = q + (g * n_total + n) * k;
-    typename I::F acc[MR][NR];
-    for (auto& row : acc)
-      for (auto& a : row) a = I::zero();
-    int64_t i = 0;
-    for (; i + I::L <= k; i += I::L) {
-      typename I::F wv[NR];
-      for (int j = 0; j < NR; ++j) wv[j] = I::load_i8(w + j * k + i);
-      for (int r = 0; r < MR; ++r) {
-        const typename I::F xv = I::load(xm + r * k + i);
-        for (int j = 0; j < NR; ++j) acc[r][j] = I::fma(xv, wv[j], acc[r][j]);
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      for (int j = 0; j < NR; ++j) {
-        float d = I::sum(acc[r][j]);
-        for (int64_t t = i; t < k; ++t) d += xm[r * k + t] * static_cast<float>(w[j * k + t]);
-        out[(m + r) * n_total + n + j] = d * scale[g * n_total + n + j];
-      }
-    }
-  }
-};
-
-// INT4 weight-only: packed [G, N, K/2] uint8, scale [G, N, ng] fp32, zero [G, N, ng] uint8 for groups of
-// `gs` columns. `xp` is x with each group's columns reordered by chunks of 2L: the L even columns, then
-// the L odd ones, matching the low and high nibbles of L packed bytes (a group's columns past its last
-// whole chunk keep their order and take the scalar tail).
-template <class I>
-struct Int4Kernel {
-  const float* xp;
-  const uint8_t* packed;
-  const float* scale;
-  const uint8_t* zero;
-  float* out;
-  int64_t n_total, k, ng, gs;
-
-  template <int MR, int NR>
-  void tile(int64_t g, int64_t m, int64_t n) const {
-    constexpr int L = I::L;
-    const float* xm = xp + m * k;
-    const int64_t half = k / 2;
-    const uint8_t* w = packed + (g * n_total + n) * half;
-    const float* s = scale + (g * n_total + n) * ng;
-    const uint8_t* z = zero + (g * n_total + n) * ng;
-    typename I::F acc[MR][NR];
-    for (auto& row : acc)
-      for (auto& a : row) a = I::zero();
-    float tail[MR][NR] = {};
-    for (int64_t grp = 0; grp < ng; ++grp) {
-      const int64_t c1 = std::min(k, (grp + 1) * gs);
-      typename I::F sv[NR], offset[NR];  // W = code * scale + (-zero * scale)
-      for (int j = 0; j < NR; ++j) {
-        const float sc = s[j * ng + grp];
-        sv[j] = I::set1(sc);
-        offset[j] = I::set1(-static_cast<float>(z[j * ng + grp]) * sc);
-      }
-      int64_t c = grp * gs;
-      for (; c + 2 * L <= c1; c += 2 * L) {
-        typename I::F lo[NR], hi[NR];
-        for (int j = 0; j < NR; ++j) {
-          I::load_u4(w + j * half + c / 2, lo[j], hi[j]);
-          lo[j] = I::fma(lo[j], sv[j], offset[j]);
-          hi[j] = I::fma(hi[j], sv[j], offset[j]);
-        }
-        for (int r = 0; r < MR; ++r) {
-          const typename I::F even = I::load(xm + r * k + c), odd = I::load(xm + r * k + c + L);
-          for (int j = 0; j < NR; ++j) acc[r][j] = I::fma(odd, hi[j], I::fma(even, lo[j], acc[r][j]));
-        }
-      }
-      for (; c < c1; ++c) {
-        for (int j = 0; j < NR; ++j) {
-          const uint8_t byte = w[j * half + c / 2];
-          const int code = c % 2 ? byte >> 4 : byte & 15;
-          const float wt = static_cast<float>(code - z[j * ng + grp]) * s[j * ng + grp];
-          for (int r = 0; r < MR; ++r) tail[r][j] += xm[r * k + c] * wt;
-        }
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      for (int j = 0; j < NR; ++j) out[(m + r) * n_total + n + j] = I::sum(acc[r][j]) + tail[r][j];
-    }
-  }
-};
-
-// The column order Int4Kernel<I> reads x in (see there).
-std::vector<float> interleave_for_int4(const float* x, int64_t rows, int64_t k, int64_t gs, int lanes) {
-  std::vector<float> xp(x, x + rows * k);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g0 = 0; g0 < k; g0 += gs) {
-      const int64_t g1 = std::min(k, g0 + gs);
-      for (int64_t c = g0; c + 2 * lanes <= g1; c += 2 * lanes) {
-        for (int l = 0; l < lanes; ++l) {
-          xp[r * k + c + l] = x[r * k + c + 2 * l];
-          xp[r * k + c + lanes + l] = x[r * k + c + 2 * l + 1];
-        }
-      }
-    }
-  }
-  return xp;
+template <typename T>
+float amax_of(const T* row, int64_t k) {
+  float amax = 0.f;
+  for (int64_t t = 0; t < k; ++t) amax = std::max(amax, std::fabs(static_cast<float>(row[t])));
+  return amax;
 }
 
-// W8A8: dots[r][j] = sum_k xq[r][k] * w[j][k] exactly, then out = dot * x_scale[r] * w_scale[n].
-struct W8A8Rows {
-  const int8_t* xq;     // [T, K]
-  const uint8_t* xu;    // [T, K]: xq + 128 (AVX512-VNNI multiplies unsigned by signed bytes)
-  const int16_t* x16;   // [T, K]: xq widened (AVX2)
-  const float* x_scale;  // [T]
+// x's rows as 16-bit codes (x ~ code * scale[r]); `block` > 1 stores each whole block of `block` columns
+// inside a group of `group` as its even columns, then its odd ones (the INT4 kernel's nibble order).
+struct Rows16 {
+  std::vector<int16_t> codes;
+  std::vector<float> scale;
+
+  template <typename T>
+  Rows16(const T* x, int64_t rows, int64_t k, int64_t group = 1, int64_t block = 1)
+      : codes(rows * k), scale(rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * k;
+      scale[r] = std::max(amax_of(row, k), 1e-30f) / kCodes16;
+      int16_t* out = codes.data() + r * k;
+      for (int64_t t = 0; t < k; ++t) out[t] = static_cast<int16_t>(std::nearbyint(static_cast<float>(row[t]) / scale[r]));
+      if (block == 1) continue;
+      std::vector<int16_t> natural(out, out + k);
+      for (int64_t g0 = 0; g0 < k; g0 += group) {
+        for (int64_t c = g0; c + block <= std::min(k, g0 + group); c += block) {
+          for (int64_t l = 0; l < block / 2; ++l) {
+            out[c + l] = natural[c + 2 * l];
+            out[c + block / 2 + l] = natural[c + 2 * l + 1];
+          }
+        }
+      }
+    }
+  }
 };
 
+#ifdef MOELAUNCH_HAS_AVX512
+int64_t reduce_i32(__m512i v) {
+  return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(v)),
+                                                  _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(v, 1))));
+}
+#endif
+#ifdef MOELAUNCH_HAS_AVX2
+int64_t reduce_i32(__m256i v) {
+  alignas(32) int32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  int64_t s = 0;
+  for (int32_t l : lanes) s += l;
+  return s;
+}
+
+float reduce_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// INT8 weight-only: sum_k code16[r][k] * q[n][k] exactly, then * x scale * channel scale.
 template <isa::Path P>
-struct W8A8Kernel {
-  W8A8Rows x;
-  const int8_t* q;
-  const float* scale;
-  float* out;
+struct Int8Kernel {
+  const int16_t* x16;  // [T, K]
+  const float* x_scale;
+  const int8_t* q;  // [G, N, K]
+  const float* scale;  // [G, N]
   int64_t n_total, k;
 
   template <int MR, int NR>
-  void tile(int64_t g, int64_t m, int64_t n) const {
+  void tile(int64_t g, int64_t m, int64_t n, float* out) const {
     const int8_t* w = q + (g * n_total + n) * k;
-    int32_t dots[MR][NR] = {};
+    const int16_t* xm = x16 + m * k;
+    int64_t dots[MR][NR] = {};
     int64_t i = 0;
 #ifdef MOELAUNCH_HAS_AVX512
     if constexpr (P == isa::kAvx512) {
-      // vpdpbusd takes unsigned x: (xq + 128) . w, less 128 * sum(w), which the same instruction gives.
-      __m512i acc[MR][NR], bias_sum[NR];
-      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-      for (int j = 0; j < NR; ++j) {
-        bias_sum[j] = _mm512_setzero_si512();
-        for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_setzero_si512();
-      }
-      for (; i + 64 <= k; i += 64) {
-        __m512i wv[NR];
-        for (int j = 0; j < NR; ++j) {
-          wv[j] = _mm512_loadu_si512(w + j * k + i);
-          bias_sum[j] = _mm512_dpbusd_epi32(bias_sum[j], bias, wv[j]);
+      while (i + 32 <= k) {
+        const int64_t end = std::min(k, i + kChunk);
+        __m512i acc[MR][NR];
+        for (auto& row : acc)
+          for (auto& a : row) a = _mm512_setzero_si512();
+        for (; i + 32 <= end; i += 32) {
+          __m512i wv[NR];
+          for (int j = 0; j < NR; ++j) {
+            wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * k + i)));
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m512i xv = _mm512_loadu_si512(xm + r * k + i);
+            for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpwssd_epi32(acc[r][j], xv, wv[j]);
+          }
         }
-        for (int r = 0; r < MR; ++r) {
-          const __m512i xv = _mm512_loadu_si512(x.xu + (m + r) * k + i);
-          for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
-        }
-      }
-      for (int r = 0; r < MR; ++r) {
-        for (int j = 0; j < NR; ++j) {
-          dots[r][j] = _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[r][j], bias_sum[j]));
-        }
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < NR; ++j) dots[r][j] += reduce_i32(acc[r][j]);
       }
     }
 #endif
 #ifdef MOELAUNCH_HAS_AVX2
     if constexpr (P == isa::kAvx2) {
-      __m256i acc[MR][NR];
-      for (auto& row : acc)
-        for (auto& a : row) a = _mm256_setzero_si256();
-      for (; i + 16 <= k; i += 16) {
-        __m256i wv[NR];
-        for (int j = 0; j < NR; ++j) {
-          wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
+      while (i + 16 <= k) {
+        const int64_t end = std::min(k, i + kChunk);
+        __m256i acc[MR][NR];
+        for (auto& row : acc)
+          for (auto& a : row) a = _mm256_setzero_si256();
+        for (; i + 16 <= end; i += 16) {
+          __m256i wv[NR];
+          for (int j = 0; j < NR; ++j) {
+            wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + r * k + i));
+            for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(xv, wv[j]));
+          }
         }
-        for (int r = 0; r < MR; ++r) {
-          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.x16 + (m + r) * k + i));
-          for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(xv, wv[j]));
-        }
-      }
-      for (int r = 0; r < MR; ++r) {
-        for (int j = 0; j < NR; ++j) {
-          alignas(32) int32_t lanes[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[r][j]);
-          for (int32_t v : lanes) dots[r][j] += v;
-        }
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < NR; ++j) dots[r][j] += reduce_i32(acc[r][j]);
       }
     }
 #endif
     for (int r = 0; r < MR; ++r) {
       for (int j = 0; j < NR; ++j) {
-        int32_t d = dots[r][j];
-        for (int64_t t = i; t < k; ++t) d += int32_t{x.xq[(m + r) * k + t]} * int32_t{w[j * k + t]};
-        out[(m + r) * n_total + n + j] =
-            static_cast<float>(d) * x.x_scale[m + r] * scale[g * n_total + n + j];
+        int64_t d = dots[r][j];
+        for (int64_t t = i; t < k; ++t) d += int64_t{xm[r * k + t]} * w[j * k + t];
+        out[(m + r) * n_total + n + j] = static_cast<float>(d) * x_scale[m + r] * scale[g * n_total + n + j];
       }
     }
   }
 };
 
-// The integer kernels have no bf16 products: the bf16 path runs their AVX-512 code.
+// The columns one INT4 vector step covers (half as many packed bytes).
+constexpr int64_t int4_block(isa::Path p) { return p == isa::kAvx512 ? 64 : p == isa::kAvx2 ? 32 : 1; }
+
+// INT4 weight-only: per group of `gs` columns, sum (code - zero) * code16 exactly, then * the group's scale;
+// the groups' sums in fp32, then * x's scale. x16 holds each whole block of B columns (B = 64 on AVX-512,
+// 32 on AVX2) as its even columns then its odd ones, the order of the low and high nibbles of B / 2 bytes.
+template <isa::Path P>
+struct Int4Kernel {
+  const int16_t* x16;
+  const float* x_scale;
+  const uint8_t* packed;  // [G, N, K/2]
+  const float* scale;     // [G, N, ng]
+  const uint8_t* zero;    // [G, N, ng]
+  int64_t n_total, k, ng, gs;
+
+  static constexpr int64_t kBlock = int4_block(P);
+
+  template <int MR, int NR>
+  void tile(int64_t g, int64_t m, int64_t n, float* out) const {
+    const int64_t half = k / 2;
+    const uint8_t* w = packed + (g * n_total + n) * half;
+    const float* s = scale + (g * n_total + n) * ng;
+    const uint8_t* z = zero + (g * n_total + n) * ng;
+    const int16_t* xm = x16 + m * k;
+    // Per group: exact int32 lane sums, then scaled into fp32 lanes (exact in fp32 for groups of up to
+    // 256 columns: products of at most 15 * 32767).
+    float sums[MR][NR] = {};
+#ifdef MOELAUNCH_HAS_AVX512
+    __m512 lanes[MR][NR];
+    for (auto& row : lanes)
+      for (auto& l : row) l = _mm512_setzero_ps();
+#endif
+#ifdef MOELAUNCH_HAS_AVX2
+    __m256 lanes2[MR][NR];
+    for (auto& row : lanes2)
+      for (auto& l : row) l = _mm256_setzero_ps();
+#endif
+    for (int64_t grp = 0; grp < ng; ++grp) {
+      const int64_t c1 = std::min(k, (grp + 1) * gs);
+      int64_t c = grp * gs;
+#ifdef MOELAUNCH_HAS_AVX512
+      if constexpr (P == isa::kAvx512) {
+        const __m256i low = _mm256_set1_epi8(15);
+        __m512i zv[NR], acc[MR][NR];
+        for (int j = 0; j < NR; ++j) zv[j] = _mm512_set1_epi16(z[j * ng + grp]);
+        for (auto& row : acc)
+          for (auto& a : row) a = _mm512_setzero_si512();
+        for (; c + kBlock <= c1; c += kBlock) {
+          __m512i lo[NR], hi[NR];
+          for (int j = 0; j < NR; ++j) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * half + c / 2));
+            lo[j] = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(b, low)), zv[j]);
+            hi[j] = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(b, 4), low)), zv[j]);
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m512i even = _mm512_loadu_si512(xm + r * k + c);
+            const __m512i odd = _mm512_loadu_si512(xm + r * k + c + kBlock / 2);
+            for (int j = 0; j < NR; ++j) {
+              acc[r][j] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[r][j], even, lo[j]), odd, hi[j]);
+            }
+          }
+        }
+        for (int j = 0; j < NR; ++j) {
+          const __m512 sv = _mm512_set1_ps(s[j * ng + grp]);
+          for (int r = 0; r < MR; ++r) lanes[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][j]), sv, lanes[r][j]);
+        }
+      }
+#endif
+#ifdef MOELAUNCH_HAS_AVX2
+      if constexpr (P == isa::kAvx2) {
+        const __m128i low = _mm_set1_epi8(15);
+        __m256i zv[NR], acc[MR][NR];
+        for (int j = 0; j < NR; ++j) zv[j] = _mm256_set1_epi16(z[j * ng + grp]);
+        for (auto& row : acc)
+          for (auto& a : row) a = _mm256_setzero_si256();
+        for (; c + kBlock <= c1; c += kBlock) {
+          __m256i lo[NR], hi[NR];
+          for (int j = 0; j < NR; ++j) {
+            const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * half + c / 2));
+            lo[j] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, low)), zv[j]);
+            hi[j] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), low)), zv[j]);
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + r * k + c));
+            const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + r * k + c + kBlock / 2));
+            for (int j = 0; j < NR; ++j) {
+              acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_add_epi32(_mm256_madd_epi16(even, lo[j]),
+                                                                       _mm256_madd_epi16(odd, hi[j])));
+            }
+          }
+        }
+        for (int j = 0; j < NR; ++j) {
+          const __m256 sv = _mm256_set1_ps(s[j * ng + grp]);
+          for (int r = 0; r < MR; ++r) lanes2[r][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][j]), sv, lanes2[r][j]);
+        }
+      }
+#endif
+      for (int j = 0; j < NR; ++j) {  // columns past the group's last whole block, in their natural order
+        int64_t dots[MR] = {};
+        for (int64_t t = c; t < c1; ++t) {
+          const uint8_t byte = w[j * half + t / 2];
+          const int code = (t % 2 ? byte >> 4 : byte & 15) - z[j * ng + grp];
+          for (int r = 0; r < MR; ++r) dots[r] += int64_t{xm[r * k + t]} * code;
+        }
+        for (int r = 0; r < MR; ++r) sums[r][j] += static_cast<float>(dots[r]) * s[j * ng + grp];
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int j = 0; j < NR; ++j) {
+        float total = sums[r][j];
+#ifdef MOELAUNCH_HAS_AVX512
+        if constexpr (P == isa::kAvx512) total += _mm512_reduce_add_ps(lanes[r][j]);
+#endif
+#ifdef MOELAUNCH_HAS_AVX2
+        if constexpr (P == isa::kAvx2) total += reduce_ps(lanes2[r][j]);
+#endif
+        out[(m + r) * n_total + n + j] = total * x_scale[m + r];
+      }
+    }
+  }
+};
+
+// W8A8: x's rows as int8 codes in the forms each path multiplies.
+struct Rows8 {
+  std::vector<int8_t> q;      // [T, K]
+  std::vector<uint8_t> u;     // [T, K]: q + 128 (vpdpbusd multiplies unsigned by signed bytes)
+  std::vector<int16_t> wide;  // [T, K]: q widened (AVX2)
+  std::vector<float> scale;   // [T]
+
+  // amax: each row's amax to quantize with (a tensor-parallel slice takes the whole row's), or null.
+  template <typename T>
+  Rows8(const T* x, int64_t rows, int64_t k, const float* amax)
+      : q(rows * k), u(rows * k), wide(rows * k), scale(rows) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* row = x + r * k;
+      // As int8_reference._quantize_rows: the same fp32 operations, so the same codes.
+      scale[r] = std::max(amax != nullptr ? amax[r] : amax_of(row, k), 1e-8f) / kCodes8;
+      for (int64_t t = 0; t < k; ++t) {
+        const float v = std::clamp(std::nearbyint(static_cast<float>(row[t]) / scale[r]), -kCodes8, kCodes8);
+        q[r * k + t] = static_cast<int8_t>(v);
+        u[r * k + t] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+        wide[r * k + t] = static_cast<int16_t>(v);
+      }
+    }
+  }
+};
+
+// W8A8: dots[r][j] = sum_k xq[r][k] * w[j][k] exactly, then out = dot * x_scale[r] * w_scale[n].
+template <isa::Path P>
+struct W8A8Kernel {
+  const int8_t* xq;
+  const uint8_t* xu;
+  const int16_t* x16;
+  const float* x_scale;
+  const int8_t* q;
+  const float* scale;
+  int64_t n_total, k;
+
+  template <int MR, int NR>
+  void tile(int64_t g, int64_t m, int64_t n, float* out) const {
+    const int8_t* w = q + (g * n_total + n) * k;
+    int64_t dots[MR][NR] = {};
+    int64_t i = 0;
+#ifdef MOELAUNCH_HAS_AVX512
+    if constexpr (P == isa::kAvx512) {
+      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+      while (i + 64 <= k) {
+        const int64_t end = std::min(k, i + kChunk);
+        __m512i acc[MR][NR], bias_sum[NR];
+        for (int j = 0; j < NR; ++j) {
+          bias_sum[j] = _mm512_setzero_si512();
+          for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_setzero_si512();
+        }
+        for (; i + 64 <= end; i += 64) {
+          __m512i wv[NR];
+          for (int j = 0; j < NR; ++j) {
+            wv[j] = _mm512_loadu_si512(w + j * k + i);
+            bias_sum[j] = _mm512_dpbusd_epi32(bias_sum[j], bias, wv[j]);
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m512i xv = _mm512_loadu_si512(xu + (m + r) * k + i);
+            for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], xv, wv[j]);
+          }
+        }
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < NR; ++j) dots[r][j] += _mm512_reduce_add_epi32(_mm512_sub_epi32(acc[r][j], bias_sum[j]));
+      }
+    }
+#endif
+#ifdef MOELAUNCH_HAS_AVX2
+    if constexpr (P == isa::kAvx2) {
+      while (i + 16 <= k) {
+        const int64_t end = std::min(k, i + kChunk);
+        __m256i acc[MR][NR];
+        for (auto& row : acc)
+          for (auto& a : row) a = _mm256_setzero_si256();
+        for (; i + 16 <= end; i += 16) {
+          __m256i wv[NR];
+          for (int j = 0; j < NR; ++j) {
+            wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
+          }
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xv =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x16 + (m + r) * k + i));
+            for (int j = 0; j < NR; ++j) acc[r][j] = _mm256_add_epi32(acc[r][j], _mm256_madd_epi16(xv, wv[j]));
+          }
+        }
+        for (int r = 0; r < MR; ++r)
+          for (int j = 0; j < NR; ++j) dots[r][j] += reduce_i32(acc[r][j]);
+      }
+    }
+#endif
+    for (int r = 0; r < MR; ++r) {
+      for (int j = 0; j < NR; ++j) {
+        int64_t d = dots[r][j];
+        for (int64_t t = i; t < k; ++t) d += int64_t{xq[(m + r) * k + t]} * w[j * k + t];
+        out[(m + r) * n_total + n + j] =
+            static_cast<float>(d) * x_scale[m + r] * scale[g * n_total + n + j];
+      }
+    }
+  }
+};
+
+// The integer kernels have no bf16 products: the paths above AVX-512 run its code.
 isa::Path resolve(int64_t path) { return std::min(isa::resolve(path), isa::kAvx512); }
 
-void check_common(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& offsets) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be [T, K] fp32");
+void check_common(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& offsets, bool gated) {
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous [T, K] fp32 or bf16");
   TORCH_CHECK(w.dim() == 3 && w.is_contiguous(), "weight must be a contiguous [G, N, ...] stack");
+  TORCH_CHECK(!gated || w.size(1) % 2 == 0, "a gated weight stacks [gate; up]: N must be even");
   TORCH_CHECK(offsets.scalar_type() == torch::kInt64 && offsets.dim() == 1 && offsets.size(0) == w.size(0) + 1 &&
                   offsets.is_contiguous(),
               "offsets must be int64 [G + 1]");
@@ -273,43 +484,73 @@ void check_common(const torch::Tensor& x, const torch::Tensor& w, const torch::T
   TORCH_CHECK(off[0] == 0 && off[w.size(0)] == x.size(0), "offsets must start at 0 and end at x's row count");
 }
 
-}  // namespace
-
-// x [T, K] fp32 (rows grouped by offsets [G + 1]); q [G, N, K] int8; scale [G, N] fp32 -> [T, N] fp32.
-torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
-                              int64_t path) {
-  check_common(x, q, offsets);
+void check_channel_scales(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.size(2) == x.size(1), "q must be int8 [G, N, K]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == q.size(0) * q.size(1),
               "scale must be fp32 [G, N]");
-  const int64_t n = q.size(1), k = q.size(2);
-  auto out = torch::empty({x.size(0), n}, x.options());
-  auto go = [&](auto traits) {
-    using I = decltype(traits);
-    Int8Kernel<I> kern{x.data_ptr<float>(), q.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr<float>(), n, k};
-    run_grouped(kern, offsets.data_ptr<int64_t>(), q.size(0), n);
-  };
-  switch (resolve(path)) {
+}
+
+// f(x's data) for x's dtype (fp32 or bf16).
+template <class F>
+auto on_rows(const torch::Tensor& x, const F& f) {
+  if (x.scalar_type() == torch::kBFloat16) return f(reinterpret_cast<const c10::BFloat16*>(x.data_ptr()));
+  return f(x.data_ptr<float>());
+}
+
+// Runs make_kernel(path tag)'s kernel over the groups into a fresh [T, N] (gated: [T, N / 2]) in x's dtype.
+template <class MakeKernel>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& offsets, int64_t groups, int64_t n, bool gated,
+                  isa::Path path, const MakeKernel& make_kernel) {
+  auto out = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
+  const bool direct = !gated && x.scalar_type() == torch::kFloat32;  // the sums are the result
+  auto sums = direct ? out : torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat32));
+  auto go = [&](auto* op) {
+    const Sink<std::remove_pointer_t<decltype(op)>> sink{op, sums.data_ptr<float>(), n, gated, direct};
+    auto on = [&](auto tag) { run_grouped(make_kernel(tag), offsets.data_ptr<int64_t>(), groups, sink); };
+    switch (path) {
 #ifdef MOELAUNCH_HAS_AVX512
-    case isa::kAvx512:
-      go(isa::Avx512{});
-      break;
+      case isa::kAvx512:
+        on(std::integral_constant<isa::Path, isa::kAvx512>{});
+        break;
 #endif
 #ifdef MOELAUNCH_HAS_AVX2
-    case isa::kAvx2:
-      go(isa::Avx2{});
-      break;
+      case isa::kAvx2:
+        on(std::integral_constant<isa::Path, isa::kAvx2>{});
+        break;
 #endif
-    default:
-      go(isa::Scalar{});
+      default:
+        on(std::integral_constant<isa::Path, isa::kScalar>{});
+    }
+  };
+  if (x.scalar_type() == torch::kBFloat16) {
+    go(reinterpret_cast<c10::BFloat16*>(out.data_ptr()));
+  } else {
+    go(out.data_ptr<float>());
   }
   return out;
 }
 
-// x [T, K] fp32; packed [G, N, K/2] uint8; scale [G, N, ng] fp32; zero [G, N, ng] uint8, ng = ceil(K / gs).
+}  // namespace
+
+// x [T, K] fp32 or bf16 (rows grouped by offsets [G + 1]); q [G, N, K] int8; scale [G, N] fp32 -> [T, N]
+// (gated: [T, N / 2]) in x's dtype.
+torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
+                              bool gated, int64_t path) {
+  check_common(x, q, offsets, gated);
+  check_channel_scales(x, q, scale);
+  const int64_t n = q.size(1), k = q.size(2);
+  const Rows16 x16 = on_rows(x, [&](const auto* xp) { return Rows16(xp, x.size(0), k); });
+  return run(x, offsets, q.size(0), n, gated, resolve(path), [&](auto tag) {
+    return Int8Kernel<decltype(tag)::value>{x16.codes.data(), x16.scale.data(), q.data_ptr<int8_t>(),
+                                            scale.data_ptr<float>(), n, k};
+  });
+}
+
+// x [T, K] fp32 or bf16; packed [G, N, K/2] uint8; scale [G, N, ng] fp32; zero [G, N, ng] uint8,
+// ng = ceil(K / gs) -> [T, N] (gated: [T, N / 2]) in x's dtype.
 torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, torch::Tensor zero,
-                              torch::Tensor offsets, int64_t group_size, int64_t path) {
-  check_common(x, packed, offsets);
+                              torch::Tensor offsets, int64_t group_size, bool gated, int64_t path) {
+  check_common(x, packed, offsets, gated);
   const int64_t k = x.size(1), n = packed.size(1), ng = (k + group_size - 1) / group_size;
   TORCH_CHECK(k % 2 == 0 && packed.scalar_type() == torch::kUInt8 && packed.size(2) == k / 2,
               "packed must be uint8 [G, N, K/2]");
@@ -318,86 +559,35 @@ torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tens
               "scale must be fp32 [G, N, ceil(K / group_size)]");
   TORCH_CHECK(zero.scalar_type() == torch::kUInt8 && zero.is_contiguous() && zero.numel() == scale.numel(),
               "zero must be uint8 shaped like scale");
-  auto out = torch::empty({x.size(0), n}, x.options());
-  auto go = [&](auto traits) {
-    using I = decltype(traits);
-    const std::vector<float> xp = interleave_for_int4(x.data_ptr<float>(), x.size(0), k, group_size, I::L);
-    Int4Kernel<I> kern{xp.data(), packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(),
-                       out.data_ptr<float>(), n, k, ng, group_size};
-    run_grouped(kern, offsets.data_ptr<int64_t>(), packed.size(0), n);
-  };
+  // A vector step covers one block of columns inside a group: groups must hold whole blocks.
   isa::Path p = resolve(path);
-  // A vector step covers 2 x lanes columns inside one group: groups must hold whole steps.
-  if (p == isa::kAvx512 && group_size % 32) p = isa::kAvx2;
-  if (p == isa::kAvx2 && group_size % 16) p = isa::kScalar;
-  switch (p) {
-#ifdef MOELAUNCH_HAS_AVX512
-    case isa::kAvx512:
-      go(isa::Avx512{});
-      break;
-#endif
-#ifdef MOELAUNCH_HAS_AVX2
-    case isa::kAvx2:
-      go(isa::Avx2{});
-      break;
-#endif
-    default:
-      go(isa::Scalar{});
-  }
-  return out;
+  if (p == isa::kAvx512 && group_size % int4_block(isa::kAvx512)) p = isa::kAvx2;
+  if (p == isa::kAvx2 && group_size % int4_block(isa::kAvx2)) p = isa::kScalar;
+  const int64_t block = int4_block(p);
+  const Rows16 x16 = on_rows(x, [&](const auto* xp) { return Rows16(xp, x.size(0), k, group_size, block); });
+  return run(x, offsets, packed.size(0), n, gated, p, [&](auto tag) {
+    return Int4Kernel<decltype(tag)::value>{x16.codes.data(),       x16.scale.data(),
+                                            packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                            zero.data_ptr<uint8_t>(), n, k, ng, group_size};
+  });
 }
 
-// W8A8: x [T, K] fp32 quantized per row (amax / 127, round half to even), q [G, N, K] int8, scale [G, N].
-// row_amax [T] fp32, when given, is each row's amax to use instead of its own (a tensor-parallel slice
-// quantized with the whole row's scale).
+// W8A8: x [T, K] fp32 or bf16 quantized per row (amax / 127, round half to even), q [G, N, K] int8,
+// scale [G, N] -> [T, N] (gated: [T, N / 2]) in x's dtype. row_amax [T] fp32, when given, is each row's
+// amax to use instead of its own (a tensor-parallel slice quantized with the whole row's scale).
 torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor scale, torch::Tensor offsets,
-                              int64_t path, c10::optional<torch::Tensor> row_amax) {
-  check_common(x, q, offsets);
-  TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.size(2) == x.size(1), "q must be int8 [G, N, K]");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.is_contiguous() && scale.numel() == q.size(0) * q.size(1),
-              "scale must be fp32 [G, N]");
+                              bool gated, int64_t path, c10::optional<torch::Tensor> row_amax) {
+  check_common(x, q, offsets, gated);
+  check_channel_scales(x, q, scale);
   const int64_t rows = x.size(0), n = q.size(1), k = q.size(2);
   const bool given = row_amax.has_value() && row_amax->defined();
   TORCH_CHECK(!given || (row_amax->scalar_type() == torch::kFloat32 && row_amax->is_contiguous() &&
                          row_amax->numel() == rows),
               "row_amax must be a contiguous fp32 [T]");
-  const float* given_amax = given ? row_amax->data_ptr<float>() : nullptr;
-  const float* xf = x.data_ptr<float>();
-  std::vector<int8_t> xq(rows * k);
-  std::vector<uint8_t> xu(rows * k);
-  std::vector<int16_t> x16(rows * k);
-  std::vector<float> xs(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    float amax = 0.f;
-    if (given_amax != nullptr) {
-      amax = given_amax[r];
-    } else {
-      for (int64_t t = 0; t < k; ++t) amax = std::max(amax, std::fabs(xf[r * k + t]));
-    }
-    // As int8_reference._quantize_rows: the same fp32 operations, so the same codes.
-    xs[r] = std::max(amax, 1e-8f) / 127.f;
-    for (int64_t t = 0; t < k; ++t) {
-      const float v = std::clamp(std::nearbyint(xf[r * k + t] / xs[r]), -127.f, 127.f);
-      xq[r * k + t] = static_cast<int8_t>(v);
-      xu[r * k + t] = static_cast<uint8_t>(static_cast<int>(v) + 128);
-      x16[r * k + t] = static_cast<int16_t>(v);
-    }
-  }
-  auto out = torch::empty({rows, n}, x.options());
-  const W8A8Rows xr{xq.data(), xu.data(), x16.data(), xs.data()};
-  auto go = [&](auto kernel_tag) {
-    decltype(kernel_tag) kern{xr, q.data_ptr<int8_t>(), scale.data_ptr<float>(), out.data_ptr<float>(), n, k};
-    run_grouped(kern, offsets.data_ptr<int64_t>(), q.size(0), n);
-  };
-  switch (resolve(path)) {
-    case isa::kAvx512:
-      go(W8A8Kernel<isa::kAvx512>{});
-      break;
-    case isa::kAvx2:
-      go(W8A8Kernel<isa::kAvx2>{});
-      break;
-    default:
-      go(W8A8Kernel<isa::kScalar>{});
-  }
-  return out;
+  const float* amax = given ? row_amax->data_ptr<float>() : nullptr;
+  const Rows8 x8 = on_rows(x, [&](const auto* xp) { return Rows8(xp, rows, k, amax); });
+  return run(x, offsets, q.size(0), n, gated, resolve(path), [&](auto tag) {
+    return W8A8Kernel<decltype(tag)::value>{x8.q.data(),         x8.u.data(), x8.wide.data(), x8.scale.data(),
+                                            q.data_ptr<int8_t>(), scale.data_ptr<float>(), n, k};
+  });
 }

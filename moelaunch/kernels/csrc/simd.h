@@ -107,9 +107,9 @@ inline void store8(c10::BFloat16* p, vec8 v) {
 
 // o[0:n] = silu(g[0:n]) * u[0:n], sigmoid(g) from e^-|g| (never overflows): 1 / (1 + e) for g >= 0,
 // e / (1 + e) below. One definition for the SiLU gate kernel and the grouped GEMM's gated epilogue.
-// T: float, or bf16 (widened, computed in fp32, the product rounded once).
-template <typename T>
-inline void silu_mul_row(const T* g, const T* u, int64_t n, T* o) {
+// T, O: float, or bf16 (widened, computed in fp32, the product rounded once).
+template <typename T, typename O = T>
+inline void silu_mul_row(const T* g, const T* u, int64_t n, O* o) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const vec8 v = load8(g + i);
@@ -119,7 +119,7 @@ inline void silu_mul_row(const T* g, const T* u, int64_t n, T* o) {
   }
   for (; i < n; ++i) {
     const float gi = to_float(g[i]);
-    o[i] = T(gi / (1.f + std::exp(-gi)) * to_float(u[i]));
+    o[i] = O(gi / (1.f + std::exp(-gi)) * to_float(u[i]));
   }
 }
 
