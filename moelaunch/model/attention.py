@@ -199,12 +199,11 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """The decode rows' queries ([R, H, *]) at once, in the absorbed form over the paged latent
         cache: [R, H, v]."""
-        # The kernel reads float weights in their own dtype (bf16 under fp32 rows): no copy per step. A
-        # quantized kv_b is dequantized once to the model's float dtype (the norms'), not to the rows'
-        # (fp32 under a bf16 model on the CPU, which read twice the bytes of the bf16 model's kv_b).
+        # The kernel reads float weights in their own dtype (bf16 under fp32 rows): no copy per step.
         held = self.kv_b_proj.weight
-        plain = self.kv_b_proj.is_plain()
-        w_uk, w_uv = self._absorbed_weights(held.dtype if plain else self.kv_a_layernorm.weight.dtype)
+        w_uk, w_uv = self._absorbed_weights(
+            held.dtype if self.kv_b_proj.is_plain() else self._dense_dtype(q_nope)
+        )
         heads_kernel = kernels.uses_grouped_linear_kernel(q_nope, q_nope.shape[0], w_uk)
         if heads_kernel:
             uk_t, uv = self._decode_heads.get(w_uk, w_uv, held, w_uk.dtype)
@@ -223,6 +222,13 @@ class MLA(nn.Module):
         if heads_kernel:
             return kernels.per_head_linear(out_latent, uv)
         return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv).to(q_nope.dtype)
+
+    def _dense_dtype(self, rows: torch.Tensor) -> torch.dtype:
+        """The dtype an integer or block-FP8 kv_b is dequantized to for the absorbed form: kv_a_proj's,
+        which integer quantization leaves in the model's float dtype (a bf16 model's fp32 rows on the
+        CPU then read bf16 stacks, half the bytes of fp32 ones); the rows' where kv_a is 1-byte too."""
+        kv_a = self.kv_a_proj_with_mqa.weight.dtype
+        return kv_a if kv_a.is_floating_point and kv_a.itemsize >= 2 else rows.dtype
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, C] and W_UV [H, v, C]."""
