@@ -17,6 +17,9 @@ from moelaunch.kernels import int4_reference as int4_ref
 from moelaunch.kernels import int8_reference as int8_ref
 from moelaunch.kernels.selection import CPU_ISA_PATHS
 
+# The AMX tiles' integer products (csrc/int_linear_amx.h) need AMX-INT8 beside the amx path's AMX-BF16.
+HAS_AMX_INT8 = "amx" in PATHS_HERE and "amx_int8" in open("/proc/cpuinfo").read()
+
 # (rows per group, N, K, int4 group size): tails of every loop (rows below a tile, weight rows below a
 # tile, K below one vector step), empty groups (idle experts), a last int4 group shorter than the others,
 # and a group size that no 32-column AVX-512 step divides (48: the kernel drops to its AVX2 step).
@@ -26,6 +29,9 @@ CASES = [
     ([4, 9], 64, 256, 128),
     ([33], 13, 384, 128),
     ([2, 2], 5, 96, 48),
+    # 29 rows against N % 16 == 0 and K % 64 == 0: INT8 and W8A8 take the AMX tiles on the amx path (three
+    # 16-row weight tiles, the last paired with itself; three 64-byte K slices, the last without a pair).
+    ([20, 0, 9], 48, 192, 64),
 ]
 
 
@@ -122,11 +128,13 @@ def test_w8a8_with_a_given_row_amax_quantizes_with_it(isa_path):
     assert not torch.equal(out, int8_ref.w8a8_linear_ref(x, q, s))
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 2], [12, 0, 9]], ids=["vector", "tiles"])
 @pytest.mark.parametrize("method", ["int8", "w8a8", "int4"])
-def test_gated_and_bf16_results_round_the_fp32_sums_once(method, isa_path):
+def test_gated_and_bf16_results_round_the_fp32_sums_once(method, counts, isa_path):
     """gated (a [gate; up] stack) gives silu(gate) * up of the plain product; bf16 rows give the result of
-    the same values in fp32 (the same codes), rounded once to bf16, gated or not."""
-    x, w, offsets = _stacks([3, 0, 2], 32, 256, seed=7)
+    the same values in fp32 (the same codes), rounded once to bf16, gated or not; with few rows (the
+    vector code) and with 21 (INT8 and W8A8 on the AMX tiles where the path has them)."""
+    x, w, offsets = _stacks(counts, 32, 256, seed=7)
     if method == "int4":
         quantized = (int4_ref.int4_weight_quant_ref(wg) for wg in w)
         tensors = [torch.stack(t) for t in zip(*quantized, strict=True)]
@@ -143,13 +151,34 @@ def test_gated_and_bf16_results_round_the_fp32_sums_once(method, isa_path):
 
     gate, up = call(x, False).chunk(2, dim=-1)
     gated = call(x, True)
-    assert gated.shape == (5, 16)
+    assert gated.shape == (sum(counts), 16)
     torch.testing.assert_close(gated, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
     rows = x.bfloat16()
     for gated in (False, True):
         out = call(rows, gated)
         assert out.dtype == torch.bfloat16
         assert torch.equal(out, call(rows.float(), gated).bfloat16())
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_many_rows_take_the_amx_tiles_where_the_cpu_has_them(method, isa_path):
+    """From 16 rows, shapes the tiles fit (K % 64, N % 16) run on the AMX-INT8 tiles on the amx path (the
+    cases above check their products); fewer rows, other shapes and the other paths run the vector code.
+    A CPU without AMX-INT8 runs the vector code everywhere."""
+    x, w, offsets = _stacks([16], 32, 128, seed=3)
+    q, s = int8_ref.int8_weight_quant_ref(w[0])
+    kernel = getattr(int_linear_cpu, f"{method}_linear_cpu")
+
+    def tile_calls(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> int:
+        before = cpu_extension.require().amx_calls()
+        kernel(rows, weight[None], scale[None], torch.tensor([0, rows.shape[0]]))
+        return cpu_extension.require().amx_calls() - before
+
+    tiles = isa_path == "amx" and HAS_AMX_INT8
+    assert tile_calls(x, q, s) == (1 if tiles else 0)
+    assert tile_calls(x[:15], q, s) == 0
+    assert tile_calls(x[:, :96].contiguous(), q[:, :96].contiguous(), s) == 0  # K = 96
+    assert tile_calls(x, q[:24], s[:24]) == 0  # N = 24
 
 
 def test_an_unknown_path_is_refused(monkeypatch):

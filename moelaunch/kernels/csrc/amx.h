@@ -57,21 +57,38 @@ inline __m512i load_slice(const float* p) {
   return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
 }
 
-// Up to 16 rows of k values (`rows` of them, row i at src + i * stride; bf16, or fp32 rounded to bf16) as
-// B tiles: per 32-value slice s, tile row j holds each source row's values 2j and 2j + 1 of the slice,
-// one 32-bit pair per column (scattered into it); columns past `rows` are zeros. k is a multiple of 32.
-template <typename src_t>
-inline void pack_pairs(const src_t* src, int64_t rows, int64_t stride, int64_t k, uint32_t* tiles) {
-  const int64_t slices = k / kSlice;
+// Up to 16 rows as B tiles, one 64-byte slice of a row at a time (load(i, s): row i's slice s): per slice
+// s, tile row j holds each source row's 32-bit element j of the slice, one source row per column
+// (scattered into it); columns past `rows` are zeros.
+template <class Load>
+inline void pack_columns(int64_t rows, int64_t slices, const Load& load, uint32_t* tiles) {
   if (rows < kTileRows) std::memset(tiles, 0, slices * kTileValues * sizeof(uint32_t));
   const __m512i columns = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kTileRows));
   for (int64_t i = 0; i < rows; ++i) {
     for (int64_t s = 0; s < slices; ++s) {
-      _mm512_i32scatter_epi32(tiles + s * kTileValues + i, columns, load_slice(src + i * stride + s * kSlice),
-                              sizeof(uint32_t));
+      _mm512_i32scatter_epi32(tiles + s * kTileValues + i, columns, load(i, s), sizeof(uint32_t));
     }
   }
+}
+
+// Up to 16 rows of k values (`rows` of them, row i at src + i * stride; bf16, or fp32 rounded to bf16) as
+// B tiles of bf16 pairs: per 32-value slice s, tile row j holds each row's values 2j and 2j + 1 of the
+// slice. k is a multiple of 32.
+template <typename src_t>
+inline void pack_pairs(const src_t* src, int64_t rows, int64_t stride, int64_t k, uint32_t* tiles) {
+  pack_columns(rows, k / kSlice, [&](int64_t i, int64_t s) { return load_slice(src + i * stride + s * kSlice); },
+               tiles);
+}
+
+// Bytes per tile row of 8-bit values, the int8 products' K slice.
+constexpr int64_t kByteSlice = kTileRowBytes;
+
+// Up to 16 rows of k bytes (row i at src + i * k) as B tiles of byte quads: per 64-byte slice, tile row j
+// holds each row's bytes 4j..4j + 3. k is a multiple of 64.
+inline void pack_quads(const uint8_t* src, int64_t rows, int64_t k, uint32_t* tiles) {
+  pack_columns(rows, k / kByteSlice, [&](int64_t i, int64_t s) { return _mm512_loadu_si512(src + i * k + s * kByteSlice); },
+               tiles);
 }
 
 // Two products against the same packed B tiles, 16 x 16 fp32 each, stored at c0 and c1 (64-byte rows):

@@ -26,11 +26,15 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "int_linear_amx.h"
 #include "simd.h"
 
 namespace {
 
 namespace isa = moelaunch::isa;
+#ifdef MOELAUNCH_HAS_AMX_INT8
+namespace int_amx = moelaunch::int_amx;
+#endif
 using moelaunch::silu_mul_row;
 
 constexpr int kWeightTile = 3;
@@ -118,11 +122,46 @@ void run_grouped(const Kern& kern, const int64_t* offsets, int64_t groups, const
   });
 }
 
+#ifdef MOELAUNCH_HAS_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+#endif
+
+// The rows' codes are made on every call, from up to thousands of rows (prompts): vectorized where the
+// path has AVX-512, in the same fp32 operations as the scalar loops.
 template <typename T>
 float amax_of(const T* row, int64_t k) {
   float amax = 0.f;
-  for (int64_t t = 0; t < k; ++t) amax = std::max(amax, std::fabs(static_cast<float>(row[t])));
+  int64_t t = 0;
+#ifdef MOELAUNCH_HAS_AVX512
+  __m512 lanes = _mm512_setzero_ps();
+  for (; t + 16 <= k; t += 16) lanes = _mm512_max_ps(lanes, _mm512_abs_ps(load16(row + t)));
+  amax = _mm512_reduce_max_ps(lanes);
+#endif
+  for (; t < k; ++t) amax = std::max(amax, std::fabs(static_cast<float>(row[t])));
   return amax;
+}
+
+// codes[t] = clamp(nearbyint(row[t] / s), -limit, limit) (round half to even), int8 or int16.
+template <typename T, typename C>
+void quantize_row(const T* row, int64_t k, float s, float limit, C* codes) {
+  int64_t t = 0;
+#ifdef MOELAUNCH_HAS_AVX512
+  const __m512 step = _mm512_set1_ps(s), lo = _mm512_set1_ps(-limit), hi = _mm512_set1_ps(limit);
+  for (; t + 16 <= k; t += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_div_ps(load16(row + t), step), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i i = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+    if constexpr (sizeof(C) == 1) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + t), _mm512_cvtsepi32_epi8(i));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + t), _mm512_cvtsepi32_epi16(i));
+    }
+  }
+#endif
+  for (; t < k; ++t) codes[t] = static_cast<C>(std::clamp(std::nearbyint(static_cast<float>(row[t]) / s), -limit, limit));
 }
 
 // x's rows as 16-bit codes (x ~ code * scale[r]); `block` > 1 stores each whole block of `block` columns
@@ -136,9 +175,10 @@ struct Rows16 {
       : codes(rows * k), scale(rows) {
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = x + r * k;
-      scale[r] = std::max(amax_of(row, k), 1e-30f) / kCodes16;
+      const float s = std::max(amax_of(row, k), 1e-30f) / kCodes16;
+      scale[r] = s;
       int16_t* out = codes.data() + r * k;
-      for (int64_t t = 0; t < k; ++t) out[t] = static_cast<int16_t>(std::nearbyint(static_cast<float>(row[t]) / scale[r]));
+      quantize_row(row, k, s, kCodes16, out);
       if (block == 1) continue;
       std::vector<int16_t> natural(out, out + k);
       for (int64_t g0 = 0; g0 < k; g0 += group) {
@@ -150,6 +190,18 @@ struct Rows16 {
         }
       }
     }
+  }
+
+  // The codes as two byte planes [T, K] one after the other: high bytes (signed), then low bytes
+  // (unsigned), code = 256 * high + low (the AMX tiles multiply bytes).
+  std::vector<uint8_t> byte_planes() const {
+    const size_t n = codes.size();
+    std::vector<uint8_t> planes(2 * n);
+    for (size_t i = 0; i < n; ++i) {
+      planes[i] = static_cast<uint8_t>(codes[i] >> 8);
+      planes[n + i] = static_cast<uint8_t>(codes[i] & 0xff);
+    }
+    return planes;
   }
 };
 
@@ -370,24 +422,26 @@ struct Int4Kernel {
 // W8A8: x's rows as int8 codes in the forms each path multiplies.
 struct Rows8 {
   std::vector<int8_t> q;      // [T, K]
-  std::vector<uint8_t> u;     // [T, K]: q + 128 (vpdpbusd multiplies unsigned by signed bytes)
-  std::vector<int16_t> wide;  // [T, K]: q widened (AVX2)
+  std::vector<uint8_t> u;     // [T, K]: q + 128 (vpdpbusd multiplies unsigned by signed bytes), AVX-512 only
+  std::vector<int16_t> wide;  // [T, K]: q widened, AVX2 only
   std::vector<float> scale;   // [T]
 
   // amax: each row's amax to quantize with (a tensor-parallel slice takes the whole row's), or null.
   template <typename T>
-  Rows8(const T* x, int64_t rows, int64_t k, const float* amax)
-      : q(rows * k), u(rows * k), wide(rows * k), scale(rows) {
+  Rows8(const T* x, int64_t rows, int64_t k, const float* amax, isa::Path path) : q(rows * k), scale(rows) {
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = x + r * k;
+      int8_t* codes = q.data() + r * k;
       // As int8_reference._quantize_rows: the same fp32 operations, so the same codes.
-      scale[r] = std::max(amax != nullptr ? amax[r] : amax_of(row, k), 1e-8f) / kCodes8;
-      for (int64_t t = 0; t < k; ++t) {
-        const float v = std::clamp(std::nearbyint(static_cast<float>(row[t]) / scale[r]), -kCodes8, kCodes8);
-        q[r * k + t] = static_cast<int8_t>(v);
-        u[r * k + t] = static_cast<uint8_t>(static_cast<int>(v) + 128);
-        wide[r * k + t] = static_cast<int16_t>(v);
-      }
+      const float s = std::max(amax != nullptr ? amax[r] : amax_of(row, k), 1e-8f) / kCodes8;
+      scale[r] = s;
+      quantize_row(row, k, s, kCodes8, codes);
+    }
+    if (path == isa::kAvx512) {
+      u.resize(q.size());
+      for (size_t i = 0; i < q.size(); ++i) u[i] = static_cast<uint8_t>(q[i] + 128);
+    } else if (path == isa::kAvx2) {
+      wide.assign(q.begin(), q.end());
     }
   }
 };
@@ -497,15 +551,26 @@ auto on_rows(const torch::Tensor& x, const F& f) {
   return f(x.data_ptr<float>());
 }
 
-// Runs make_kernel(path tag)'s kernel over the groups into a fresh [T, N] (gated: [T, N / 2]) in x's dtype.
-template <class MakeKernel>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& offsets, int64_t groups, int64_t n, bool gated,
-                  isa::Path path, const MakeKernel& make_kernel) {
+// A fresh [T, N] (gated: [T, N / 2]) in x's dtype from fill(sink), which writes the fp32 sums [T, N] to
+// sink.sums and finishes them into sink.out (sink.finish).
+template <class Fill>
+torch::Tensor with_sink(const torch::Tensor& x, int64_t n, bool gated, const Fill& fill) {
   auto out = torch::empty({x.size(0), gated ? n / 2 : n}, x.options());
   const bool direct = !gated && x.scalar_type() == torch::kFloat32;  // the sums are the result
   auto sums = direct ? out : torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat32));
-  auto go = [&](auto* op) {
-    const Sink<std::remove_pointer_t<decltype(op)>> sink{op, sums.data_ptr<float>(), n, gated, direct};
+  if (x.scalar_type() == torch::kBFloat16) {
+    fill(Sink<c10::BFloat16>{reinterpret_cast<c10::BFloat16*>(out.data_ptr()), sums.data_ptr<float>(), n, gated, direct});
+  } else {
+    fill(Sink<float>{out.data_ptr<float>(), sums.data_ptr<float>(), n, gated, direct});
+  }
+  return out;
+}
+
+// Runs make_kernel(path tag)'s vector kernel over the groups.
+template <class MakeKernel>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& offsets, int64_t groups, int64_t n, bool gated,
+                  isa::Path path, const MakeKernel& make_kernel) {
+  return with_sink(x, n, gated, [&](const auto& sink) {
     auto on = [&](auto tag) { run_grouped(make_kernel(tag), offsets.data_ptr<int64_t>(), groups, sink); };
     switch (path) {
 #ifdef MOELAUNCH_HAS_AVX512
@@ -521,14 +586,32 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& offsets, int64_t 
       default:
         on(std::integral_constant<isa::Path, isa::kScalar>{});
     }
-  };
-  if (x.scalar_type() == torch::kBFloat16) {
-    go(reinterpret_cast<c10::BFloat16*>(out.data_ptr()));
-  } else {
-    go(out.data_ptr<float>());
-  }
-  return out;
+  });
 }
+
+#ifdef MOELAUNCH_HAS_AMX_INT8
+// Calls with at least this many rows take the AMX tiles; below, the vector kernels keep up with the
+// weight stream (decode) and a tile would multiply mostly zero columns.
+constexpr int64_t kAmxRows = 16;
+
+bool amx_takes(const torch::Tensor& x, const torch::Tensor& q, int64_t path) {
+  return isa::resolve(path) >= isa::kAmx && x.size(0) >= kAmxRows && int_amx::fits(q.size(1), q.size(2));
+}
+
+// The INT8 weights' products through the tiles, x's codes as `codes`' byte planes.
+template <bool kSplit>
+torch::Tensor run_amx(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale,
+                      const torch::Tensor& offsets, bool gated, const int_amx::Codes& codes) {
+  const int64_t rows = x.size(0), n = q.size(1);
+  return with_sink(x, n, gated, [&](const auto& sink) {
+    int_amx::grouped_products<kSplit>(codes, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                                      offsets.data_ptr<int64_t>(), q.size(0), n, q.size(2), sink.sums);
+    at::parallel_for(0, rows, kRowTile, [&](int64_t begin, int64_t end) {
+      sink.finish(begin, end, 0, gated ? n / 2 : n);
+    });
+  });
+}
+#endif
 
 }  // namespace
 
@@ -540,6 +623,13 @@ torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
   check_channel_scales(x, q, scale);
   const int64_t n = q.size(1), k = q.size(2);
   const Rows16 x16 = on_rows(x, [&](const auto* xp) { return Rows16(xp, x.size(0), k); });
+#ifdef MOELAUNCH_HAS_AMX_INT8
+  if (amx_takes(x, q, path)) {
+    const std::vector<uint8_t> planes = x16.byte_planes();
+    const int_amx::Codes codes{{planes.data(), planes.data() + x16.codes.size()}, true, x16.scale.data()};
+    return run_amx<true>(x, q, scale, offsets, gated, codes);
+  }
+#endif
   return run(x, offsets, q.size(0), n, gated, resolve(path), [&](auto tag) {
     return Int8Kernel<decltype(tag)::value>{x16.codes.data(), x16.scale.data(), q.data_ptr<int8_t>(),
                                             scale.data_ptr<float>(), n, k};
@@ -585,8 +675,15 @@ torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
                          row_amax->numel() == rows),
               "row_amax must be a contiguous fp32 [T]");
   const float* amax = given ? row_amax->data_ptr<float>() : nullptr;
-  const Rows8 x8 = on_rows(x, [&](const auto* xp) { return Rows8(xp, rows, k, amax); });
-  return run(x, offsets, q.size(0), n, gated, resolve(path), [&](auto tag) {
+  const isa::Path p = resolve(path);
+  const Rows8 x8 = on_rows(x, [&](const auto* xp) { return Rows8(xp, rows, k, amax, p); });
+#ifdef MOELAUNCH_HAS_AMX_INT8
+  if (amx_takes(x, q, path)) {
+    const auto* plane = reinterpret_cast<const uint8_t*>(x8.q.data());
+    return run_amx<false>(x, q, scale, offsets, gated, int_amx::Codes{{plane, nullptr}, false, x8.scale.data()});
+  }
+#endif
+  return run(x, offsets, q.size(0), n, gated, p, [&](auto tag) {
     return W8A8Kernel<decltype(tag)::value>{x8.q.data(),         x8.u.data(), x8.wide.data(), x8.scale.data(),
                                             q.data_ptr<int8_t>(), scale.data_ptr<float>(), n, k};
   });
