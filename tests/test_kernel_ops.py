@@ -173,3 +173,12 @@ def test_cpu_kernels_run_without_the_gil():
         thread.join(timeout=10)
     assert end - start > 0.02, "the call was too short to tell"
     assert any((start + end) / 2 < t < end - 0.005 for t in ticks), (start, end, ticks)
+
+
+def test_the_cpus_bf16_units_are_a_constant_of_a_traced_step():
+    """Which GEMM fp32 rows meet bf16 weights in (the absorbed MLA products at large batches) depends on
+    the CPU's flags: a traced step takes them as a constant, as /proc/cpuinfo cannot be read while
+    tracing (a bf16 model's compiled step failed to trace there)."""
+    x = torch.randn(2, 4)
+    got, _ = compiled_ops(lambda t: t * 2 if kernels.bf16_gemm_units(t) else t - 1, x)
+    assert torch.equal(got, x * 2 if kernels.bf16_gemm_units(x) else x - 1)

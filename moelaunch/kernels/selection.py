@@ -115,8 +115,13 @@ def bf16_gemm_units(x: Tensor) -> bool:
     """Whether x sits on a CPU that multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16), where oneDNN's
     bf16 GEMM beats its fp32 one: fp32 rows meeting bf16 weights go in as bf16 there (the absorbed MLA
     products at 64 rows: 2.6-3.2x on AMX) instead of meeting an fp32 copy of the weights."""
+    return x.device.type == "cpu" and _cpu_has_bf16_units()
+
+
+@torch.compiler.assume_constant_result  # a constant of a traced step: tracing cannot read /proc/cpuinfo
+def _cpu_has_bf16_units() -> bool:
     flags = cpu_extension.cpu_flags()
-    return x.device.type == "cpu" and ("amx_bf16" in flags or "avx512_bf16" in flags)
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:

@@ -20,7 +20,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "int4_tiles.h"
 #include "int_linear_amx.h"
 #include "simd.h"
 
@@ -34,6 +35,9 @@ namespace {
 namespace isa = moelaunch::isa;
 #ifdef MOELAUNCH_HAS_AMX_INT8
 namespace int_amx = moelaunch::int_amx;
+#endif
+#ifdef MOELAUNCH_HAS_AMX
+namespace int4_tiles = moelaunch::int4_tiles;
 #endif
 using moelaunch::silu_mul_row;
 
@@ -589,6 +593,13 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& offsets, int64_t 
   });
 }
 
+// Every row's sums finished, for kernels that fill all of them before.
+template <typename O>
+void finish_all(const Sink<O>& sink, int64_t rows) {
+  const int64_t n_out = sink.gated ? sink.n_total / 2 : sink.n_total;
+  at::parallel_for(0, rows, kRowTile, [&](int64_t begin, int64_t end) { sink.finish(begin, end, 0, n_out); });
+}
+
 #ifdef MOELAUNCH_HAS_AMX_INT8
 // Calls with at least this many rows take the AMX tiles; below, the vector kernels keep up with the
 // weight stream (decode) and a tile would multiply mostly zero columns.
@@ -606,9 +617,7 @@ torch::Tensor run_amx(const torch::Tensor& x, const torch::Tensor& q, const torc
   return with_sink(x, n, gated, [&](const auto& sink) {
     int_amx::grouped_products<kSplit>(codes, q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                                       offsets.data_ptr<int64_t>(), q.size(0), n, q.size(2), sink.sums);
-    at::parallel_for(0, rows, kRowTile, [&](int64_t begin, int64_t end) {
-      sink.finish(begin, end, 0, gated ? n / 2 : n);
-    });
+    finish_all(sink, rows);
   });
 }
 #endif
@@ -649,6 +658,18 @@ torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tens
               "scale must be fp32 [G, N, ceil(K / group_size)]");
   TORCH_CHECK(zero.scalar_type() == torch::kUInt8 && zero.is_contiguous() && zero.numel() == scale.numel(),
               "zero must be uint8 shaped like scale");
+#ifdef MOELAUNCH_HAS_AMX
+  if (isa::resolve(path) >= isa::kAmx && int4_tiles::takes(offsets.data_ptr<int64_t>(), packed.size(0), n, k)) {
+    return with_sink(x, n, gated, [&](const auto& sink) {
+      on_rows(x, [&](const auto* xp) {
+        int4_tiles::grouped_products(xp, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(),
+                                     offsets.data_ptr<int64_t>(), packed.size(0), n, k, group_size, sink.sums);
+        return 0;
+      });
+      finish_all(sink, x.size(0));
+    });
+  }
+#endif
   // A vector step covers one block of columns inside a group: groups must hold whole blocks.
   isa::Path p = resolve(path);
   if (p == isa::kAvx512 && group_size % int4_block(isa::kAvx512)) p = isa::kAvx2;
