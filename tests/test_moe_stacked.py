@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_paths import PATHS_HERE
 from error_bounds import gamma
 
 from moelaunch import kernels
@@ -156,7 +157,12 @@ def test_integer_experts_stack_and_match_expert_by_expert(method, tokens, cpu_ke
     got = moe(x)
     assert bool(calls) == cpu_kernels
     # Weight-only: the kernels' 16-bit codes of the expert inputs, which the two paths sum in different
-    # orders, may round a value to the neighbouring code.
+    # orders, may round a value to the neighbouring code. INT4 with many rows per expert on an AMX CPU:
+    # the stacked call's experts run on the bf16 tiles, some of the one-by-one calls (fewer rows) not
+    # (measured 2.4e-3 of the largest output).
+    if method == "int4" and tokens > STACKED_MAX_ROWS and "amx" in PATHS_HERE:
+        torch.testing.assert_close(got, expected, rtol=0, atol=2**-7 * expected.abs().max().item())
+        return
     torch.testing.assert_close(got, expected, rtol=0 if method == "w8a8" else 2**-12, atol=1e-5)
 
 

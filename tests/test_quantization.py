@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 import yaml
+from cpu_paths import PATHS_HERE
 from error_bounds import U32, activation_codes_error, gamma
 from safetensors import safe_open
 from tiny_models import add_byte_tokenizer, make_hf_model
@@ -322,7 +323,8 @@ def test_quantized_model_equals_its_dequantized_twin(dirs, method):
     """The integer kernels compute the model whose projections hold the dequantized weights, up to the
     rounding of the activations' integer codes: at most half a step per token and element, of 127 steps
     for w8a8 and of 32767 for the weight-only methods' 16-bit codes (measured 1.8e-5 of the largest
-    logit for int8)."""
+    logit for int8). INT4 projections of many rows on an AMX CPU run on the bf16 tiles (activations and
+    dequantized weights rounded to bf16: measured 1.7e-3 there)."""
     quantized = load_model(dirs[method])
     twin = load_model(dirs["orig"])
     modules = dict(quantized.named_modules())
@@ -332,7 +334,8 @@ def test_quantized_model_equals_its_dequantized_twin(dirs, method):
     got, expected = quantized(IDS), twin(IDS)
     diff = (got - expected).abs().max().item()
     print(f"{method} vs its dequantized twin: max |dlogit| = {diff:.2e}")
-    assert diff <= (0.02 if method == "w8a8" else 1e-4) * expected.abs().max().item()
+    tolerance = {"w8a8": 0.02, "int8": 1e-4, "int4": 1e-2 if "amx" in PATHS_HERE else 1e-4}[method]
+    assert diff <= tolerance * expected.abs().max().item()
 
 
 def test_integer_logits_within_the_stated_bounds(tmp_path):
