@@ -30,7 +30,8 @@ CASES = [
     ([33], 13, 384, 128),
     ([2, 2], 5, 96, 48),
     # 29 rows against N % 16 == 0 and K % 64 == 0: INT8 and W8A8 take the AMX tiles on the amx path (three
-    # 16-row weight tiles, the last paired with itself; three 64-byte K slices, the last without a pair).
+    # 16-row weight tiles, the last paired with itself; three 64-byte K slices, the last without a pair),
+    # and INT4 its groups of 8 rows or more (also the 9 rows above: one group tiled, one not).
     ([20, 0, 9], 48, 192, 64),
 ]
 
@@ -93,24 +94,27 @@ def test_int8_kernel_matches_the_dequantized_product(counts, n, k, group, isa_pa
 
 @pytest.mark.parametrize(("counts", "n", "k", "group"), CASES)
 def test_int4_kernel_matches_the_dequantized_product(counts, n, k, group, isa_path):
-    """Few rows per group: the vector kernel's 16-bit codes. Many (the last case) on the amx path: the
-    weight dequantized to bf16 and x rounded to bf16 on the bf16 tiles, each value within bf16's rounding
-    (2^-8 relative) of its own, the sums in fp32."""
+    """Groups of few rows: the vector kernel's 16-bit codes. Groups of 8 rows or more where the shape fits
+    (N % 16, K % 32) on the amx path: the weight dequantized to bf16 and x rounded to bf16 on the bf16
+    tiles, each value within bf16's rounding (2^-8 relative) of its own, the sums in fp32."""
     x, w, offsets = _stacks(counts, n, k, seed=n * k)
     packed, scale, zero = zip(*(int4_ref.int4_weight_quant_ref(wg, group) for wg in w), strict=True)
     stacks = [torch.stack(t) for t in (packed, scale, zero)]
     before = cpu_extension.require().amx_calls()
     out = int_linear_cpu.int4_linear_cpu(x, *stacks, offsets, group)
-    tiles = cpu_extension.require().amx_calls() - before
-    dense = [
-        int4_ref.int4_dequant_ref(*p, group, torch.float64) for p in zip(packed, scale, zero, strict=True)
-    ]
-    assert tiles == (1 if isa_path == "amx" and counts == CASES[-1][0] else 0)
-    if not tiles:
-        _assert_products_of_16bit_codes(out, x, counts, dense, k)
-        return
-    exact, magnitude = _per_group(x, counts, dense)
-    assert_within(out, exact, (2 * 2**-8 + 2**-16 + gamma(k + 1)) * magnitude)
+    tile_calls = cpu_extension.require().amx_calls() - before
+    tiled = [isa_path == "amx" and rows >= 8 and n % 16 == 0 and k % 32 == 0 for rows in counts]
+    assert tile_calls == int(any(tiled))
+    parts = zip(out.split(counts), x.split(counts), packed, scale, zero, tiled, strict=True)
+    for got, rows, *quantized, tiles in parts:
+        if rows.shape[0] == 0:
+            continue
+        dense = int4_ref.int4_dequant_ref(*quantized, group, torch.float64)
+        if not tiles:
+            _assert_products_of_16bit_codes(got, rows, [rows.shape[0]], [dense], k)
+            continue
+        exact, magnitude = _per_group(rows, [rows.shape[0]], [dense])
+        assert_within(got, exact, (2 * 2**-8 + 2**-16 + gamma(k + 1)) * magnitude)
 
 
 @pytest.mark.parametrize(("counts", "n", "k", "group"), CASES)

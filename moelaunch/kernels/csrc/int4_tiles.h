@@ -1,4 +1,4 @@
-// INT4 weights for calls with many rows per group, on the Amx path: each group's weight dequantized once
+// INT4 weights for groups with many rows, on the Amx path: each group's weight dequantized once
 // per call to bf16 ((code - zero) * scale, rounded once), then multiplied on the bf16 tiles
 // (grouped_linear_amx.h), x's rows rounded to bf16 as they pack them. Integer tile products would leave
 // the tiles at every group of columns (128) to apply its scale, which costs more than the products; for
@@ -15,7 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "grouped_linear_amx.h"
 
@@ -23,13 +23,14 @@ namespace moelaunch::int4_tiles {
 
 using BF16 = c10::BFloat16;
 
-// Rows per group (the mean over groups with rows) from which the tiles take a call.
+// Rows of a group from which the tiles take it: below, dequantizing its weight costs more than the
+// vector kernel's products.
 constexpr int64_t kRowsPerGroup = 8;
 
-inline bool takes(const int64_t* offsets, int64_t groups, int64_t n, int64_t k) {
-  int64_t busy = 0;
-  for (int64_t g = 0; g < groups; ++g) busy += offsets[g + 1] > offsets[g];
-  return busy > 0 && offsets[groups] >= kRowsPerGroup * busy && grouped_amx::fits(n, k);
+// tiled[g] = 1 for the groups the tiles take (rows offsets[g]..offsets[g + 1]), where the shape fits.
+inline void mark(const int64_t* offsets, int64_t groups, int64_t n, int64_t k, uint8_t* tiled) {
+  if (!grouped_amx::fits(n, k)) return;
+  for (int64_t g = 0; g < groups; ++g) tiled[g] = offsets[g + 1] - offsets[g] >= kRowsPerGroup;
 }
 
 // w [n, k] bf16 = (code - zero) * scale for one group's packed [n, k / 2] and scale / zero [n, ng].
@@ -64,20 +65,23 @@ inline void dequantize(const uint8_t* packed, const float* scale, const uint8_t*
   });
 }
 
-// sums [T, n] fp32: per group with rows (offsets[g]..offsets[g + 1] of x [T, k]), x times its dequantized
-// weight (packed [G, n, k / 2], scale / zero [G, n, ng]).
+// sums [T, n] fp32: per group marked in `tiled` (its rows offsets[g]..offsets[g + 1] of x [T, k]), x times
+// its dequantized weight (packed [G, n, k / 2], scale / zero [G, n, ng]).
 template <typename x_t>
 void grouped_products(const x_t* x, const uint8_t* packed, const float* scale, const uint8_t* zero,
-                      const int64_t* offsets, int64_t groups, int64_t n, int64_t k, int64_t gs, float* sums) {
+                      const int64_t* offsets, int64_t groups, int64_t n, int64_t k, int64_t gs, const uint8_t* tiled,
+                      float* sums) {
   ++isa::amx_calls();
   const int64_t ng = (k + gs - 1) / gs;
-  std::vector<BF16> w(n * k);
+  // Left uninitialized (new[] of a trivial type): every value is written before it is read, and zeroing a
+  // dense layer's copy cost about as much as dequantizing it.
+  const std::unique_ptr<BF16[]> w(new BF16[n * k]);
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t m0 = offsets[g], rows = offsets[g + 1] - m0;
-    if (rows == 0) continue;  // an idle expert's weight is never read
-    dequantize(packed + g * n * (k / 2), scale + g * n * ng, zero + g * n * ng, n, k, gs, w.data());
+    if (!tiled[g]) continue;
+    dequantize(packed + g * n * (k / 2), scale + g * n * ng, zero + g * n * ng, n, k, gs, w.get());
     const int64_t local[2] = {0, rows};
-    grouped_amx::grouped_linear(x + m0 * k, w.data(), grouped_amx::Layout::grouped(local, 1, k, n), sums + m0 * n, n,
+    grouped_amx::grouped_linear(x + m0 * k, w.get(), grouped_amx::Layout::grouped(local, 1, k, n), sums + m0 * n, n,
                                 k, false);
   }
 }

@@ -107,9 +107,10 @@ struct Sink {
 };
 
 // Every (group, chunk of output columns) with rows as one parallel task; a gated task takes gate columns
-// [n0, n1) and the up columns that pair with them.
+// [n0, n1) and the up columns that pair with them. Groups marked in `skip` (another kernel's) are left.
 template <class Kern, typename O>
-void run_grouped(const Kern& kern, const int64_t* offsets, int64_t groups, const Sink<O>& sink) {
+void run_grouped(const Kern& kern, const int64_t* offsets, int64_t groups, const Sink<O>& sink,
+                 const uint8_t* skip) {
   const int64_t n_out = sink.gated ? sink.n_total / 2 : sink.n_total;
   const int64_t tile = sink.gated ? kTaskWeightRows / 2 : kTaskWeightRows;
   const int64_t tasks_per_group = (n_out + tile - 1) / tile;
@@ -117,7 +118,7 @@ void run_grouped(const Kern& kern, const int64_t* offsets, int64_t groups, const
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / tasks_per_group;
       const int64_t m0 = offsets[g], m1 = offsets[g + 1];
-      if (m0 == m1) continue;
+      if (m0 == m1 || (skip != nullptr && skip[g])) continue;
       const int64_t n0 = (task % tasks_per_group) * tile, n1 = std::min(n_out, n0 + tile);
       weight_rows(kern, g, m0, m1, n0, n1, sink.sums);
       if (sink.gated) weight_rows(kern, g, m0, m1, n_out + n0, n_out + n1, sink.sums);
@@ -570,27 +571,25 @@ torch::Tensor with_sink(const torch::Tensor& x, int64_t n, bool gated, const Fil
   return out;
 }
 
-// Runs make_kernel(path tag)'s vector kernel over the groups.
-template <class MakeKernel>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& offsets, int64_t groups, int64_t n, bool gated,
-                  isa::Path path, const MakeKernel& make_kernel) {
-  return with_sink(x, n, gated, [&](const auto& sink) {
-    auto on = [&](auto tag) { run_grouped(make_kernel(tag), offsets.data_ptr<int64_t>(), groups, sink); };
-    switch (path) {
+// Runs make_kernel(path tag)'s vector kernel over the groups into `sink` (but those marked in `skip`).
+template <class MakeKernel, typename O>
+void run_vector(const Sink<O>& sink, const torch::Tensor& offsets, int64_t groups, isa::Path path,
+                const MakeKernel& make_kernel, const uint8_t* skip = nullptr) {
+  auto on = [&](auto tag) { run_grouped(make_kernel(tag), offsets.data_ptr<int64_t>(), groups, sink, skip); };
+  switch (path) {
 #ifdef MOELAUNCH_HAS_AVX512
-      case isa::kAvx512:
-        on(std::integral_constant<isa::Path, isa::kAvx512>{});
-        break;
+    case isa::kAvx512:
+      on(std::integral_constant<isa::Path, isa::kAvx512>{});
+      break;
 #endif
 #ifdef MOELAUNCH_HAS_AVX2
-      case isa::kAvx2:
-        on(std::integral_constant<isa::Path, isa::kAvx2>{});
-        break;
+    case isa::kAvx2:
+      on(std::integral_constant<isa::Path, isa::kAvx2>{});
+      break;
 #endif
-      default:
-        on(std::integral_constant<isa::Path, isa::kScalar>{});
-    }
-  });
+    default:
+      on(std::integral_constant<isa::Path, isa::kScalar>{});
+  }
 }
 
 // Every row's sums finished, for kernels that fill all of them before.
@@ -639,9 +638,11 @@ torch::Tensor int8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
     return run_amx<true>(x, q, scale, offsets, gated, codes);
   }
 #endif
-  return run(x, offsets, q.size(0), n, gated, resolve(path), [&](auto tag) {
-    return Int8Kernel<decltype(tag)::value>{x16.codes.data(), x16.scale.data(), q.data_ptr<int8_t>(),
-                                            scale.data_ptr<float>(), n, k};
+  return with_sink(x, n, gated, [&](const auto& sink) {
+    run_vector(sink, offsets, q.size(0), resolve(path), [&](auto tag) {
+      return Int8Kernel<decltype(tag)::value>{x16.codes.data(), x16.scale.data(), q.data_ptr<int8_t>(),
+                                              scale.data_ptr<float>(), n, k};
+    });
   });
 }
 
@@ -658,28 +659,46 @@ torch::Tensor int4_linear_cpu(torch::Tensor x, torch::Tensor packed, torch::Tens
               "scale must be fp32 [G, N, ceil(K / group_size)]");
   TORCH_CHECK(zero.scalar_type() == torch::kUInt8 && zero.is_contiguous() && zero.numel() == scale.numel(),
               "zero must be uint8 shaped like scale");
+  const int64_t groups = packed.size(0);
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  // Groups with many rows go to the tiles on the Amx path (int4_tiles.h), the others to the vector kernel.
+  std::vector<uint8_t> tiled(groups, 0);
 #ifdef MOELAUNCH_HAS_AMX
-  if (isa::resolve(path) >= isa::kAmx && int4_tiles::takes(offsets.data_ptr<int64_t>(), packed.size(0), n, k)) {
-    return with_sink(x, n, gated, [&](const auto& sink) {
-      on_rows(x, [&](const auto* xp) {
-        int4_tiles::grouped_products(xp, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(),
-                                     offsets.data_ptr<int64_t>(), packed.size(0), n, k, group_size, sink.sums);
-        return 0;
-      });
-      finish_all(sink, x.size(0));
-    });
-  }
+  if (isa::resolve(path) >= isa::kAmx) int4_tiles::mark(off, groups, n, k, tiled.data());
 #endif
+  bool any_tiled = false, any_vector = false;
+  for (int64_t g = 0; g < groups; ++g) {
+    any_tiled |= tiled[g] != 0;
+    any_vector |= !tiled[g] && off[g + 1] > off[g];
+  }
   // A vector step covers one block of columns inside a group: groups must hold whole blocks.
   isa::Path p = resolve(path);
   if (p == isa::kAvx512 && group_size % int4_block(isa::kAvx512)) p = isa::kAvx2;
   if (p == isa::kAvx2 && group_size % int4_block(isa::kAvx2)) p = isa::kScalar;
   const int64_t block = int4_block(p);
-  const Rows16 x16 = on_rows(x, [&](const auto* xp) { return Rows16(xp, x.size(0), k, group_size, block); });
-  return run(x, offsets, packed.size(0), n, gated, p, [&](auto tag) {
-    return Int4Kernel<decltype(tag)::value>{x16.codes.data(),       x16.scale.data(),
-                                            packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
-                                            zero.data_ptr<uint8_t>(), n, k, ng, group_size};
+  const Rows16 x16 = on_rows(x, [&](const auto* xp) { return Rows16(xp, any_vector ? x.size(0) : 0, k, group_size, block); });
+  return with_sink(x, n, gated, [&](const auto& sink) {
+#ifdef MOELAUNCH_HAS_AMX
+    if (any_tiled) {
+      on_rows(x, [&](const auto* xp) {
+        int4_tiles::grouped_products(xp, packed.data_ptr<uint8_t>(), scale.data_ptr<float>(), zero.data_ptr<uint8_t>(),
+                                     off, groups, n, k, group_size, tiled.data(), sink.sums);
+        return 0;
+      });
+      for (int64_t g = 0; g < groups; ++g) {
+        if (tiled[g]) sink.finish(off[g], off[g + 1], 0, gated ? n / 2 : n);
+      }
+    }
+#endif
+    if (!any_vector) return;
+    run_vector(
+        sink, offsets, groups, p,
+        [&](auto tag) {
+          return Int4Kernel<decltype(tag)::value>{x16.codes.data(),       x16.scale.data(),
+                                                  packed.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                                  zero.data_ptr<uint8_t>(), n, k, ng, group_size};
+        },
+        tiled.data());
   });
 }
 
@@ -704,8 +723,10 @@ torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
     return run_amx<false>(x, q, scale, offsets, gated, int_amx::Codes{{plane, nullptr}, false, x8.scale.data()});
   }
 #endif
-  return run(x, offsets, q.size(0), n, gated, p, [&](auto tag) {
-    return W8A8Kernel<decltype(tag)::value>{x8.q.data(),         x8.u.data(), x8.wide.data(), x8.scale.data(),
-                                            q.data_ptr<int8_t>(), scale.data_ptr<float>(), n, k};
+  return with_sink(x, n, gated, [&](const auto& sink) {
+    run_vector(sink, offsets, q.size(0), p, [&](auto tag) {
+      return W8A8Kernel<decltype(tag)::value>{x8.q.data(),          x8.u.data(),           x8.wide.data(), x8.scale.data(),
+                                              q.data_ptr<int8_t>(), scale.data_ptr<float>(), n,              k};
+    });
   });
 }
