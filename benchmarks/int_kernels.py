@@ -66,7 +66,7 @@ def linear_rows(repeats: int) -> list[dict]:
             "int8": [kernels.int8_weight_quant(w) for w in dense],
             "int4": [kernels.int4_weight_quant(w) for w in dense],
         }
-        for rows in (1, 8, 32):
+        for rows in (1, 8, 32, 64):
             row = _linear_row(torch.randn(rows, k), weights, repeats, best)
             results.append({"k": k, "n": n, "rows": rows, "path": best, **row})
     return results
