@@ -11,7 +11,9 @@
 // - AVX-512: vpdpwssd (AVX512-VNNI, 16-bit pairs summed into int32; INT4 codes unpacked to 16 bits less
 //   their zero point) and vpdpbusd for W8A8 (unsigned x + 128 by signed weights, less 128 * sum(w));
 // - AVX2: vpmaddwd (16-bit pairs) for all three;
-// - scalar: plain integer C++.
+// - scalar: plain integer C++;
+// and on the Amx path INT8 and W8A8 calls of 16 rows or more run on the AMX-INT8 tiles (int_linear_amx.h),
+// INT4 groups of 8 rows or more on the bf16 tiles after dequantizing their weight (int4_tiles.h).
 // int32 lanes sum at most kChunk columns (W8A8, INT8) or one INT4 group before they are widened, so no
 // sum can overflow. Decode reads each weight once: half (INT8) or a quarter (INT4) of bf16's bytes. Tiles
 // of 3 weight rows x up to 4 input rows let each weight load feed several rows; groups without rows
