@@ -166,17 +166,35 @@ def test_each_variant_changes_the_outputs(single_process):
         assert any(single_process[variant][i][1] != plain[i][1] for i in plain), variant
 
 
+# How far a layout's top-20 log-probabilities may be from one process's. Float layouts differ only in
+# fp32 summation orders. Integer activations round each value to a code, which such tiny differences can
+# flip: the weight-only methods' 16-bit codes (a step of 1/32767 of a row's largest value) and, for INT4
+# on an AMX CPU, the bf16 tiles that take a group of 8 rows or more, where one layout batches a group's
+# rows and another does not (bf16's rounding, 2^-8). There a token at the top-20's cut may trade places
+# with a near tie.
+LOGPROB_TOLERANCE = {"int8+kv-fp8": 1e-3, "int4+topk": 1e-2}
+
+
+def assert_top_logprobs_close(ours: dict, theirs: dict, tolerance: float) -> None:
+    common = ours.keys() & theirs.keys()
+    assert max(abs(ours[t] - theirs[t]) for t in common) <= tolerance
+    if tolerance == 1e-4:
+        assert ours.keys() == theirs.keys()
+    for mine, other in ((ours, theirs), (theirs, ours)):  # only near ties at the cut may differ
+        assert all(mine[t] <= min(other.values()) + tolerance for t in mine.keys() - other.keys())
+
+
 @pytest.mark.parametrize("name", sorted(PLAN))
 def test_layout_matches_one_process(name, layouts, single_process):
     got = layouts[name]["results"]
-    reference = single_process[name.partition(":")[2]]
+    variant = name.partition(":")[2]
+    reference = single_process[variant]
     for r in PLAN[name]["requests"]:
         tokens, logprobs = reference[r["id"]]
         got_tokens, got_logprobs = got[r["id"]]
         assert got_tokens == tokens
         for ours, theirs in zip(got_logprobs, logprobs, strict=True):  # top-20 log-probabilities per step
-            assert ours.keys() == theirs.keys()
-            assert max(abs(ours[t] - theirs[t]) for t in ours) <= 1e-4
+            assert_top_logprobs_close(ours, theirs, LOGPROB_TOLERANCE.get(variant, 1e-4))
 
 
 def test_eplb_layout_differs_per_layer_with_copies():
