@@ -304,6 +304,29 @@ def test_each_method_runs_its_own_kernel(dirs, method, monkeypatch):
     assert all(n == 0 for name, n in calls.items() if name != kernel), calls
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_integer_mlps_run_gate_and_up_as_one_gated_product(dirs, method, monkeypatch):
+    """Once stacked for inference (as the engine does), an integer model's dense and shared-expert MLPs
+    take gate and up as one product with the SiLU in the kernel's epilogue (no separate SiLU pass), and
+    give the logits they gave unstacked."""
+    from moelaunch import kernels
+    from moelaunch.kernels import int_dispatch
+    from moelaunch.model.mlp import MLP
+
+    model = load_model(dirs[method])
+    unstacked = model(IDS)
+    model.stack_experts()
+    dense = [m for name, m in model.named_modules() if isinstance(m, MLP) and ".experts." not in name]
+    assert dense and all(m.int_gate_up is not None for m in dense)
+    silu_passes = []
+    silu_mul = kernels.silu_mul
+    for module in (kernels, int_dispatch):  # the MLP's own pass, and the integer entry points' fallback
+        monkeypatch.setattr(module, "silu_mul", lambda *a: silu_passes.append(1) or silu_mul(*a))
+    stacked = model(IDS)
+    assert not silu_passes
+    torch.testing.assert_close(stacked, unstacked, rtol=0, atol=1e-5 * unstacked.abs().max().item())
+
+
 def test_w8a8_differs_from_weight_only_int8_by_its_activation_rounding(dirs):
     """The same int8 weights with and without 8-bit activations: rounding each token's activations to
     127 steps of its largest magnitude moves the logits by at least 1e-4 of their largest magnitude
