@@ -434,8 +434,10 @@ struct Rows8 {
   std::vector<float> scale;   // [T]
 
   // amax: each row's amax to quantize with (a tensor-parallel slice takes the whole row's), or null.
+  // reader: the vector path that multiplies the codes, for its form of them (the tiles and the scalar
+  // code read q).
   template <typename T>
-  Rows8(const T* x, int64_t rows, int64_t k, const float* amax, isa::Path path) : q(rows * k), scale(rows) {
+  Rows8(const T* x, int64_t rows, int64_t k, const float* amax, isa::Path reader) : q(rows * k), scale(rows) {
     for (int64_t r = 0; r < rows; ++r) {
       const T* row = x + r * k;
       int8_t* codes = q.data() + r * k;
@@ -444,10 +446,10 @@ struct Rows8 {
       scale[r] = s;
       quantize_row(row, k, s, kCodes8, codes);
     }
-    if (path == isa::kAvx512) {
+    if (reader == isa::kAvx512) {
       u.resize(q.size());
       for (size_t i = 0; i < q.size(); ++i) u[i] = static_cast<uint8_t>(q[i] + 128);
-    } else if (path == isa::kAvx2) {
+    } else if (reader == isa::kAvx2) {
       wide.assign(q.begin(), q.end());
     }
   }
@@ -718,13 +720,14 @@ torch::Tensor w8a8_linear_cpu(torch::Tensor x, torch::Tensor q, torch::Tensor sc
               "row_amax must be a contiguous fp32 [T]");
   const float* amax = given ? row_amax->data_ptr<float>() : nullptr;
   const isa::Path p = resolve(path);
-  const Rows8 x8 = on_rows(x, [&](const auto* xp) { return Rows8(xp, rows, k, amax, p); });
 #ifdef MOELAUNCH_HAS_AMX_INT8
   if (amx_takes(x, q, path)) {
+    const Rows8 x8 = on_rows(x, [&](const auto* xp) { return Rows8(xp, rows, k, amax, isa::kScalar); });
     const auto* plane = reinterpret_cast<const uint8_t*>(x8.q.data());
     return run_amx<false>(x, q, scale, offsets, gated, int_amx::Codes{{plane, nullptr}, false, x8.scale.data()});
   }
 #endif
+  const Rows8 x8 = on_rows(x, [&](const auto* xp) { return Rows8(xp, rows, k, amax, p); });
   return with_sink(x, n, gated, [&](const auto& sink) {
     run_vector(sink, offsets, q.size(0), p, [&](auto tag) {
       return W8A8Kernel<decltype(tag)::value>{x8.q.data(),          x8.u.data(),           x8.wide.data(), x8.scale.data(),
