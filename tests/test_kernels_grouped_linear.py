@@ -57,7 +57,9 @@ def _rounds_rows(impl: str, weight: torch.Tensor) -> bool:
 )
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("impl", sorted(IMPLEMENTATIONS))
-def test_grouped_linear_matches_linear_per_group(counts, n, k, weight_dtype, impl):
+def test_grouped_linear_matches_linear_per_group(counts, n, k, weight_dtype, impl, isa_path):
+    """On every instruction-set path: fp32 rows take 16-lane FMAs from avx512 (a lone row two chains per
+    product: the [16, 9] groups' last row), 8-lane ones below; bf16 weights the tiles from 3 rows on amx."""
     g = torch.Generator().manual_seed(sum(counts) + n + k)
     x = torch.randn(sum(counts), k, generator=g)
     weight = torch.randn(len(counts), n, k, generator=g).to(weight_dtype)

@@ -6,9 +6,12 @@
 // it is stored in ([N, K], rows contiguous), by tiles of 3 weight rows x 4 input rows, each weight load
 // feeding 4 FMAs and each input load 3. Groups with no rows never touch their weights (idle experts).
 //
-// Two paths compute the tiles (chosen per call, cpu_isa.h): bf16 rows against a bf16 weight take
+// Three paths compute the tiles (chosen per call, cpu_isa.h): bf16 rows against a bf16 weight take
 // vdpbf16ps where the CPU has AVX512-BF16 (32 products per instruction, the weight's [N, K] rows are
-// already the adjacent K pairs it multiplies); everything else widens bf16 to fp32 and runs 8-lane FMAs.
+// already the adjacent K pairs it multiplies); everything else widens bf16 to fp32 and runs 16-lane FMAs
+// where the CPU has AVX-512, 8-lane ones elsewhere. A decode row reads weights from the cache at about
+// 27 GB/s on one core of the Xeon measured (docs/benchmarks.md, issue 30): the 16-lane path, with two FMA
+// chains per product for a lone row, reaches that (1.25-1.35x the 8-lane one at 1-2 rows).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -72,6 +75,64 @@ struct WidenDot {
     }
   }
 };
+
+#ifdef MOELAUNCH_HAS_AVX512
+// The widening path at 16 lanes (AVX-512): fp32 rows, fp32 or bf16 weights. A lone input row's tile has
+// only NR (3) products, fewer independent FMA chains than the FMA latency needs, so it runs each product
+// as two chains over alternate steps of K; the tail of K is a masked load (zero past K).
+struct Widen16Dot {
+  using x_t = float;
+  static constexpr int64_t kStep = 16;
+
+  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static __m512 load(const c10::BFloat16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static __m512 load_first(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  static __m512 load_first(const c10::BFloat16* p, int64_t n) {
+    const __m256i half = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+
+  template <int MR, int NR, typename weight_t>
+  static void tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, float* out, int64_t ldo,
+                   SpreadPrefetcher& prefetch) {
+    constexpr int kChains = MR == 1 ? 2 : 1;
+    __m512 acc[kChains][MR * NR];
+    for (auto& chain : acc)
+      for (auto& a : chain) a = _mm512_setzero_ps();
+    auto step = [&](__m512* sums, int64_t i, auto load_at) {
+      __m512 wv[NR];
+      for (int j = 0; j < NR; ++j) wv[j] = load_at(w + j * k + i);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xv = load_at(x + m * ldx + i);
+        for (int j = 0; j < NR; ++j) sums[m * NR + j] = _mm512_fmadd_ps(xv, wv[j], sums[m * NR + j]);
+      }
+    };
+    const auto whole = [](const auto* p) { return load(p); };
+    int64_t i = 0;
+    for (; i + kChains * kStep <= k; i += kChains * kStep) {
+      for (int c = 0; c < kChains; ++c) {
+        prefetch.tick();
+        step(acc[c], i + c * kStep, whole);
+      }
+    }
+    for (; i + kStep <= k; i += kStep) {
+      prefetch.tick();
+      step(acc[0], i, whole);
+    }
+    if (i < k) step(acc[0], i, [n = k - i](const auto* p) { return load_first(p, n); });
+    for (int c = 0; c < MR * NR; ++c) {
+      __m512 sum = acc[0][c];
+      if constexpr (kChains == 2) sum = _mm512_add_ps(sum, acc[1][c]);
+      out[(c / NR) * ldo + c % NR] = _mm512_reduce_add_ps(sum);
+    }
+  }
+};
+#endif
 
 #ifdef MOELAUNCH_HAS_AVX512_BF16
 namespace bf16 = moelaunch::bf16;
@@ -186,6 +247,19 @@ void grouped_linear(const typename Dot::x_t* x, const weight_t* weight, const in
   });
 }
 
+// fp32 rows x against an fp32 or bf16 weight through a widening Dot.
+template <class Dot>
+void widened(const torch::Tensor& x, const torch::Tensor& weight, const int64_t* offsets, torch::Tensor& out,
+             float* scratch, int64_t groups, int64_t n, int64_t k, bool gated) {
+  if (weight.scalar_type() == torch::kFloat32) {
+    grouped_linear<Dot>(x.data_ptr<float>(), weight.data_ptr<float>(), offsets, out.data_ptr<float>(), scratch,
+                        groups, n, k, gated);
+  } else {
+    grouped_linear<Dot>(x.data_ptr<float>(), reinterpret_cast<const c10::BFloat16*>(weight.data_ptr()), offsets,
+                        out.data_ptr<float>(), scratch, groups, n, k, gated);
+  }
+}
+
 #ifdef MOELAUNCH_HAS_AMX
 // The AMX tiles over x's rows as they are (bf16, or fp32 rounded to bf16 as they are packed) into out.
 void tile_products(const torch::Tensor& x, const c10::BFloat16* weight, const moelaunch::grouped_amx::Layout& layout,
@@ -245,12 +319,13 @@ torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::T
     return out;
   }
 #endif
-  if (weight.scalar_type() == torch::kFloat32) {
-    grouped_linear<WidenDot>(x.data_ptr<float>(), weight.data_ptr<float>(), off, out.data_ptr<float>(), sp, groups,
-                             n, k, gated);
-  } else {
-    grouped_linear<WidenDot>(x.data_ptr<float>(), w16, off, out.data_ptr<float>(), sp, groups, n, k, gated);
+#ifdef MOELAUNCH_HAS_AVX512
+  if (isa::resolve(path) >= isa::kAvx512) {
+    widened<Widen16Dot>(x, weight, off, out, sp, groups, n, k, gated);
+    return out;
   }
+#endif
+  widened<WidenDot>(x, weight, off, out, sp, groups, n, k, gated);
   return out;
 }
 
