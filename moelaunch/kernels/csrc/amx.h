@@ -91,6 +91,34 @@ inline void pack_quads(const uint8_t* src, int64_t rows, int64_t k, uint32_t* ti
                tiles);
 }
 
+// The 16 columns of a 16 x 16 block of 32-bit values (row-major, 64-byte aligned) as 16 vectors: interleaves of 32-bit, 64-bit and 128-bit
+// units, 48 shuffles.
+inline void columns16(const float* block, __m512 columns[16]) {
+  __m512 a[16], b[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_load_ps(block + 16 * i);
+  for (int i = 0; i < 16; i += 2) {
+    b[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
+    b[i + 1] = _mm512_unpackhi_ps(a[i], a[i + 1]);
+  }
+  const auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
+  for (int i = 0; i < 16; i += 4) {
+    a[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(b[i]), pd(b[i + 2])));
+    a[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b[i]), pd(b[i + 2])));
+    a[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(b[i + 1]), pd(b[i + 3])));
+    a[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b[i + 1]), pd(b[i + 3])));
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      b[i + j] = _mm512_shuffle_f32x4(a[i + j], a[i + j + 4], 0x88);
+      b[i + j + 4] = _mm512_shuffle_f32x4(a[i + j], a[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    columns[j] = _mm512_shuffle_f32x4(b[j], b[j + 8], 0x88);
+    columns[j + 8] = _mm512_shuffle_f32x4(b[j], b[j + 8], 0xdd);
+  }
+}
+
 // Two products against the same packed B tiles, 16 x 16 fp32 each, stored at c0 and c1 (64-byte rows):
 // C = sum over the 32-value slices of A (16 rows of bf16 from a0 or a1, a row `a_stride` bytes apart) x
 // B (slice s at b + s * kTileValues). Tile registers are not renamed, so a load waits for the multiply

@@ -41,34 +41,6 @@ constexpr int64_t kTaskColumns = 64;
 
 inline bool fits(int64_t n_out, int64_t k) { return k % amx::kSlice == 0 && n_out % kBlock == 0; }
 
-// The 16 columns of a 16 x 16 block (row-major) as 16 vectors: interleaves of 32-bit, 64-bit and 128-bit
-// units, 48 shuffles.
-inline void columns16(const float* block, __m512 columns[16]) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_load_ps(block + 16 * i);
-  for (int i = 0; i < 16; i += 2) {
-    b[i] = _mm512_unpacklo_ps(a[i], a[i + 1]);
-    b[i + 1] = _mm512_unpackhi_ps(a[i], a[i + 1]);
-  }
-  const auto pd = [](__m512 v) { return _mm512_castps_pd(v); };
-  for (int i = 0; i < 16; i += 4) {
-    a[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(b[i]), pd(b[i + 2])));
-    a[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b[i]), pd(b[i + 2])));
-    a[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(b[i + 1]), pd(b[i + 3])));
-    a[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b[i + 1]), pd(b[i + 3])));
-  }
-  for (int i = 0; i < 16; i += 8) {
-    for (int j = 0; j < 4; ++j) {
-      b[i + j] = _mm512_shuffle_f32x4(a[i + j], a[i + j + 4], 0x88);
-      b[i + j + 4] = _mm512_shuffle_f32x4(a[i + j], a[i + j + 4], 0xdd);
-    }
-  }
-  for (int j = 0; j < 8; ++j) {
-    columns[j] = _mm512_shuffle_f32x4(b[j], b[j + 8], 0x88);
-    columns[j + 8] = _mm512_shuffle_f32x4(b[j], b[j + 8], 0xdd);
-  }
-}
-
 // sums [16 weight rows][16 chunk rows] (a C tile, 64-byte aligned) into out's first `rows` rows, columns
 // 0..15. From 3 rows through one in-register transpose (the scalar copy took more time than the tile
 // products of the per-head decode products, whose K is 64: 2 tile slices).
@@ -80,7 +52,7 @@ inline void store_transposed(const float* sums, int64_t rows, float* out, int64_
     return;
   }
   __m512 columns[16];
-  columns16(sums, columns);
+  amx::columns16(sums, columns);
   for (int64_t m = 0; m < rows; ++m) _mm512_storeu_ps(out + m * ldo, columns[m]);
 }
 

@@ -213,17 +213,27 @@ void decode_rows(const BF16* q_latent, const BF16* q_pe, const BF16* cache, cons
         }
         running_max = segment_max;
         // Each weight rounded to bf16, the sum adding the rounded values; stored transposed, [head][token],
-        // zeros after the last token up to a whole chunk.
-        uint16_t* w = ws.weights.data();
-        for (int64_t t = 0; t < count; ++t) {
-          const u32x16 bits = round_bf16_bits(exp16(load16(ws.scores.data() + t * kHeads) - segment_max));
-          vec16 rounded;
-          std::memcpy(&rounded, &bits, sizeof rounded);
-          running_sum += rounded;
-          for (int64_t h = 0; h < kHeads; ++h) w[h * kSegment + t] = static_cast<uint16_t>(bits[h] >> 16);
-        }
+        // 16 tokens at a time through one in-register transpose (one scalar store per weight took a tenth
+        // of the kernel's time), zeros after the last token up to a whole chunk.
         const int64_t padded = (count + kSlice - 1) / kSlice * kSlice;
-        for (int64_t h = 0; h < kHeads; ++h) std::fill(w + h * kSegment + count, w + h * kSegment + padded, 0);
+        for (int64_t t0 = 0; t0 < padded; t0 += kTokens) {
+          alignas(64) u32x16 block[kTokens];  // [token][head]: each weight's bf16 bits in the high half
+          for (int64_t i = 0; i < kTokens; ++i) {
+            block[i] = u32x16{};
+            if (t0 + i >= count) continue;
+            block[i] = round_bf16_bits(exp16(load16(ws.scores.data() + (t0 + i) * kHeads) - segment_max));
+            vec16 rounded;
+            std::memcpy(&rounded, &block[i], sizeof rounded);
+            running_sum += rounded;
+          }
+          __m512 by_head[kHeads];
+          amx::columns16(reinterpret_cast<const float*>(block), by_head);
+          for (int64_t h = 0; h < kHeads; ++h) {
+            const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(by_head[h]), 16);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.weights.data() + h * kSegment + t0),
+                                _mm512_cvtepi32_epi16(bits));
+          }
+        }
         weighted_sum(ws, count, c_dim, first);
       }
       for (int64_t h = 0; h < nh; ++h) {
