@@ -266,12 +266,7 @@ def test_converted_checkpoints_hold_the_documented_tensors(dirs):
             # Not projections: unchanged
             for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.mlp.gate.weight"):
                 assert f.get_tensor(name).dtype == torch.float32
-            # MLA's latent projection is one (as in DeepSeek's FP8 checkpoints)
-            kv_a = "model.layers.0.self_attn.kv_a_proj_with_mqa."
-            assert (
-                kv_a + "weight_scale" in names
-                and kv_a + ("weight_packed" if method == "int4" else "weight") in names
-            )
+            assert f.get_tensor("model.layers.0.self_attn.kv_a_proj_with_mqa.weight").dtype == torch.float32
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -311,14 +306,11 @@ def test_each_method_runs_its_own_kernel(dirs, method, monkeypatch):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_integer_mlps_run_gate_and_up_as_one_gated_product(dirs, method, monkeypatch):
-    """Once stacked for inference (as the engine does), an integer model's dense and shared-expert MLPs take
-    gate and up as one product with the SiLU in the kernel's epilogue (no separate SiLU pass), its
-    attention q_a and kv_a as one product, and give the logits they gave unstacked. (Stacking also joins
-    q_a and kv_a, which can move an INT4 product between the AMX bf16 tiles and the exact vector route:
-    measured 6e-4 of the largest logit.)"""
+    """Once stacked for inference (as the engine does), an integer model's dense and shared-expert MLPs
+    take gate and up as one product with the SiLU in the kernel's epilogue (no separate SiLU pass), and
+    give the logits they gave unstacked."""
     from moelaunch import kernels
     from moelaunch.kernels import int_dispatch
-    from moelaunch.model.attention import MLA
     from moelaunch.model.mlp import MLP
 
     model = load_model(dirs[method])
@@ -326,16 +318,13 @@ def test_integer_mlps_run_gate_and_up_as_one_gated_product(dirs, method, monkeyp
     model.stack_experts()
     dense = [m for name, m in model.named_modules() if isinstance(m, MLP) and ".experts." not in name]
     assert dense and all(m.int_gate_up is not None for m in dense)
-    attention = [m for m in model.modules() if isinstance(m, MLA)]  # q_a and kv_a: one integer product
-    assert attention and all(m._joint_a is not None for m in attention)
     silu_passes = []
     silu_mul = kernels.silu_mul
     for module in (kernels, int_dispatch):  # the MLP's own pass, and the integer entry points' fallback
         monkeypatch.setattr(module, "silu_mul", lambda *a: silu_passes.append(1) or silu_mul(*a))
     stacked = model(IDS)
     assert not silu_passes
-    tolerance = 1e-2 if method == "int4" and "amx" in PATHS_HERE else 1e-5
-    torch.testing.assert_close(stacked, unstacked, rtol=0, atol=tolerance * unstacked.abs().max().item())
+    torch.testing.assert_close(stacked, unstacked, rtol=0, atol=1e-5 * unstacked.abs().max().item())
 
 
 def test_w8a8_differs_from_weight_only_int8_by_its_activation_rounding(dirs):
@@ -376,13 +365,13 @@ def test_integer_logits_within_the_stated_bounds(tmp_path):
     """Stated bounds, max |dlogit| / max |logit|: int8 2%, w8a8 3%, int4 34%. Derivation: int8 moves each
     weight by at most s/2 = amax_row/254; for Gaussian rows (amax ~ 3 sigma at K <= 128) that is uniform
     rounding noise of std (amax/127)/sqrt(12) ~ 0.7% of a weight's sigma, so each projection's output
-    carries ~0.7% relative noise. 8 projections per layer (kv_a too) x 3 layers add in quadrature:
-    sqrt(24) x 0.7% ~ 3.4% of a hidden state, and the RMSNorms and the residual stream damp it (measured
-    ~0.6%): 2% leaves margin and still fails for int4 (16x coarser steps, measured ~14%). w8a8 adds the
-    same 0.7%-per-projection noise on the activations (127 steps of each token's largest magnitude),
-    independent of the weights' own: sqrt(2) x 2% ~ 3%. int4 rounds to 15 steps of each group's range (~2
-    amax) instead of 127 of amax: 16.9x int8's step, so 16.9 x 2% ~ 34%. Measured: int8 0.62%, w8a8 0.83%,
-    int4 13.9%. A dense model: a routing flip (MoE) is a discontinuity no weight-error bound covers."""
+    carries ~0.7% relative noise. 7 projections per layer x 3 layers add in quadrature: sqrt(21) x 0.7% ~
+    3% of a hidden state, and the RMSNorms and the residual stream damp it (measured ~0.6%): 2% leaves
+    margin and still fails for int4 (16x coarser steps, measured ~7-10%). w8a8 adds the same 0.7%-per-
+    projection noise on the activations (127 steps of each token's largest magnitude), independent of the
+    weights' own: sqrt(2) x 2% ~ 3%. int4 rounds to 15 steps of each group's range (~2 amax) instead of
+    127 of amax: 16.9x int8's step, so 16.9 x 2% ~ 34%. Measured: int8 0.56%, w8a8 0.85%, int4 10.7%. A
+    dense model: a routing flip (MoE) is a discontinuity no weight-error bound covers."""
     original = make_hf_model(tmp_path / "dense", "v3", initializer_range=0.02, first_k_dense_replace=3)
     reference = load_model(original)(IDS)
     scale = reference.abs().max().item()

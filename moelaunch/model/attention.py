@@ -7,7 +7,6 @@ and the output instead, so decode never materializes per-head keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -19,7 +18,6 @@ from moelaunch.model import prefill_attention
 from moelaunch.model.batch import BatchLayout, DecodeRows
 from moelaunch.model.config import ModelArgs
 from moelaunch.model.decode_heads import DecodeHeadWeights
-from moelaunch.model.expert_stack import ExpertStack
 from moelaunch.model.linear import Linear
 from moelaunch.model.norm import RMSNorm
 from moelaunch.model.rope import RotaryEmbedding
@@ -77,21 +75,13 @@ class MLA(nn.Module):
         self._decode_einsum = DecodeHeadWeights(per_head_stacks=False)
         # Set by fuse_input_projections: q_a_proj and kv_a_proj_with_mqa as one product. In a tuple, so
         # it is no submodule: the checkpoint's names stay the model's only parameters.
-        self._joint_a: tuple[Callable[[torch.Tensor], torch.Tensor]] | None = None
+        self._joint_a: tuple[Linear] | None = None
 
     def fuse_input_projections(self) -> None:
-        """q_a_proj and kv_a_proj_with_mqa read the same input: as one product (one kernel instead of two)
-        where both hold plain weights of one dtype, or integer weights of one method (stacked as a
-        one-expert ExpertStack). Their weights become views of the joint one, so no memory is added."""
+        """q_a_proj and kv_a_proj_with_mqa read the same input: with plain weights, one product (one
+        kernel instead of two). Their weights become views of the joint one, so no memory is added."""
         q, kv = getattr(self, "q_a_proj", None), self.kv_a_proj_with_mqa
-        if q is None:
-            return
-        if q.quant is not None:
-            stack = ExpertStack.of([[q, kv]])
-            if stack is not None and stack.quant is not None:
-                self._joint_a = (stack.linear,)
-            return
-        if not (q.is_plain() and kv.is_plain()) or q.weight.dtype != kv.weight.dtype:
+        if q is None or not (q.is_plain() and kv.is_plain()) or q.weight.dtype != kv.weight.dtype:
             return
         joint = torch.cat([q.weight.data, kv.weight.data])
         with torch.device("meta"):
@@ -234,10 +224,11 @@ class MLA(nn.Module):
         return torch.einsum("rhc,hdc->rhd", out_latent.to(w_uv.dtype), w_uv).to(q_nope.dtype)
 
     def _dense_dtype(self, rows: torch.Tensor) -> torch.dtype:
-        """The dtype an integer or block-FP8 kv_b is dequantized to for the absorbed form: the model's
-        float weights' (a bf16 model's fp32 rows on the CPU then read bf16 stacks, half the bytes of fp32
-        ones); the rows' where that is not known (block-FP8 kept as such)."""
-        return self.kv_b_proj.float_dtype or rows.dtype
+        """The dtype an integer or block-FP8 kv_b is dequantized to for the absorbed form: kv_a_proj's,
+        which integer quantization leaves in the model's float dtype (a bf16 model's fp32 rows on the
+        CPU then read bf16 stacks, half the bytes of fp32 ones); the rows' where kv_a is 1-byte too."""
+        kv_a = self.kv_a_proj_with_mqa.weight.dtype
+        return kv_a if kv_a.is_floating_point and kv_a.itemsize >= 2 else rows.dtype
 
     def _absorbed_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into W_UK [H, nope, C] and W_UV [H, v, C]."""

@@ -42,22 +42,16 @@ class Linear(nn.Module):
         self.register_buffer("weight_scale", None)  # int8: per channel; int4: per group
         self.register_buffer("weight_zero_point", None)  # int4
         self.quant: IntQuant | None = None
-        # A quantized weight's plain dtype: what the model holds unquantized weights in (set_quantized).
-        self.float_dtype: torch.dtype | None = None
         # dense_weight's last result for a quantized weight: (dtype, weight storage, dense matrix).
         self._dense: tuple[torch.dtype, int, torch.Tensor] | None = None
 
-    def set_quantized(
-        self, tensors: dict[str, torch.Tensor], quant: IntQuant, float_dtype: torch.dtype | None = None
-    ) -> None:
-        """Hold a projection's integer tensors (the keys of `quantization.quantize_weight`); float_dtype:
-        the dtype the model holds plain weights in (None: unknown)."""
+    def set_quantized(self, tensors: dict[str, torch.Tensor], quant: IntQuant) -> None:
+        """Hold a projection's integer tensors (the keys of `quantization.quantize_weight`)."""
         weight = tensors["weight_packed"] if quant.method == "int4" else tensors["weight"]
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = tensors["weight_scale"]
         self.weight_zero_point = tensors.get("weight_zero_point")
         self.quant = quant
-        self.float_dtype = float_dtype
 
     def forward(self, x: torch.Tensor, act_amax: torch.Tensor | None = None) -> torch.Tensor:
         """act_amax (W8A8 only): each row's amax to quantize x with, when x is a slice of wider rows."""
@@ -87,7 +81,7 @@ class Linear(nn.Module):
         if self.is_plain():
             return self.weight.to(dtype)
         if self._dense is None or self._dense[0] != dtype or self._weight_replaced():
-            self._dense = (dtype, self.weight.data_ptr(), self.dequantized(dtype))
+            self._dense = (dtype, self.weight.data_ptr(), self._dequantized(dtype))
         return self._dense[2]
 
     def _weight_replaced(self) -> bool:
@@ -97,8 +91,7 @@ class Linear(nn.Module):
         assert self._dense is not None
         return not torch.compiler.is_compiling() and self._dense[1] != self.weight.data_ptr()
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """A quantized weight's values as a new plain matrix in `dtype` (not kept)."""
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         if self.weight.dtype == torch.float8_e4m3fn:
             return kernels.weight_dequant(self.weight, self.weight_scale_inv, out_dtype=dtype)
         assert self.quant is not None

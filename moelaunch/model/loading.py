@@ -93,7 +93,6 @@ def load_model(
         )  # fmt: skip
     model.rope = RotaryEmbedding(args).to(device)
     model.checkpoint_bytes_read = reader.bytes_read
-    model.float_weight_dtype = dtypes.weights
     model.nonfinite_tensors = broken
     return model.eval().requires_grad_(False)
 
@@ -147,9 +146,7 @@ def _fill_from_checkpoint(
             spec = weight_shard(module, attr)
             dtype = dtypes.of(module_name, module, attr)
             if quant is not None and attr == "weight" and isinstance(module, Linear):
-                loaded = _load_int_linear(
-                    module, reader, name, tuple(current.shape), spec, quant, dtype, device
-                )
+                loaded = _load_int_linear(module, reader, name, tuple(current.shape), spec, quant, device)
                 if loaded is not None:
                     used |= loaded
                     continue
@@ -211,13 +208,11 @@ def _load_int_linear(
     expected: tuple[int, ...],
     spec: ShardSpec | None,
     quant: IntQuant,
-    float_dtype: torch.dtype,
     device: torch.device,
 ) -> set[str] | None:
     """Load projection weight `name` as integers: the checkpoint's quantized tensors, or its plain (or
-    block-FP8, dequantized) weight quantized now, per rank slice; float_dtype: what the model holds plain
-    weights in. Returns the tensor names read; None for a weight that stays as it is (not a projection:
-    lm_head)."""
+    block-FP8, dequantized) weight quantized now, per rank slice. Returns the tensor names read; None for a
+    weight that stays as it is (not a projection: lm_head)."""
     base = name.removesuffix("weight")
     if base + "weight_scale" in reader:
         tensors, used, quant = _read_int(reader, base, expected, spec, quant)
@@ -238,7 +233,7 @@ def _load_int_linear(
             tensors, quant = _input_columns(tensors, quant, spec, dense.shape[1], name)
     else:
         return None
-    module.set_quantized({key: t.to(device) for key, t in tensors.items()}, quant, float_dtype)
+    module.set_quantized({key: t.to(device) for key, t in tensors.items()}, quant)
     return used
 
 

@@ -5,9 +5,8 @@ Methods (`quantization=`): "none" (the checkpoint as it is), "int8" (weight-only
 symmetric), "w8a8" (int8 weights and activations quantized per token at run time), "int4" (weight-only,
 groups of 128 input columns, asymmetric with zero points, two values per byte).
 
-Only projections (`*_proj.weight` and MLA's `kv_a_proj_with_mqa.weight`, 2-D: attention, dense MLP, experts,
-MTP eh_proj: what DeepSeek's checkpoints store as FP8) are quantized; the embedding, norms, router gate and
-lm_head keep their dtype. A block-FP8 checkpoint is dequantized to fp32
+Only projections (`*_proj.weight`, 2-D: attention, dense MLP, experts, MTP eh_proj) are quantized; the
+embedding, norms, router gate and lm_head keep their dtype. A block-FP8 checkpoint is dequantized to fp32
 first and then quantized (its errors add up: better quantize the bf16 original when there is one).
 Under tensor parallelism a rank holds the integers of one process: a row-parallel projection (its input
 columns sliced) is quantized from whole rows, and an int4 slice [a, b) keeps the row's groups as local
@@ -33,9 +32,14 @@ QUANT_METHOD_PREFIX = "moelaunch-"
 
 
 def is_quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    """The projections DeepSeek's block-FP8 checkpoints store in FP8: attention (the latent projection
-    kv_a_proj_with_mqa too), MLP, expert and MTP eh_proj weights."""
-    return len(shape) == 2 and name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight"))
+    """The projections DeepSeek stores as FP8: attention, MLP, expert and MTP eh_proj weights."""
+    return len(shape) == 2 and name.endswith("_proj.weight")
+
+
+def is_fp8_in_deepseek_checkpoints(name: str, shape: tuple[int, ...]) -> bool:
+    """The tensors DeepSeek's block-FP8 checkpoints store in FP8: the quantizable projections and the
+    MLA latent projection kv_a_proj_with_mqa (which integer quantization leaves 16-bit)."""
+    return is_quantizable(name, shape) or (len(shape) == 2 and name.endswith("kv_a_proj_with_mqa.weight"))
 
 
 def check_quantization(value: Any) -> str:

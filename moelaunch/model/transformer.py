@@ -106,9 +106,6 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(args)
         self.attn_impl: AttnImpl = "auto"
         self.checkpoint_bytes_read = 0  # set by the loader: how much of the checkpoint this rank read
-        # Set by the loader (WeightSpec.weight_dtype): what plain projection weights are held in, whether
-        # or not any is left plain (integer quantization leaves only lm_head).
-        self.float_weight_dtype: torch.dtype | None = None
         self.nonfinite_tensors: list[str] = []  # set by the loader: this rank's tensors holding NaN/inf
 
     # -- pieces on flat batches ([N] tokens laid out by a BatchLayout); pipeline stages call them --
@@ -172,9 +169,10 @@ class Transformer(nn.Module):
 
     def weight_dtype(self) -> torch.dtype:
         """The dtype float projections are held in (bf16 on a CPU that computes in fp32 from them), which
-        the KV cache takes too, whether or not quantization left any plain; the compute dtype for a model
-        the loader did not fill."""
-        return self.float_weight_dtype or self.compute_dtype()
+        the KV cache takes too; the compute dtype when they are quantized."""
+        weight = next(iter(self.model.layers.values())).self_attn.kv_a_proj_with_mqa.weight
+        plain = weight.is_floating_point() and weight.element_size() >= 2
+        return weight.dtype if plain else self.compute_dtype()
 
     def new_paged_cache(
         self,

@@ -26,6 +26,7 @@ from moelaunch.model.checkpoint import (
 from moelaunch.model.config import load_args
 from moelaunch.model.quantization import (
     IntQuant,
+    is_fp8_in_deepseek_checkpoints,
     is_quantizable,
     quantize_weight,
     stored_quantization,
@@ -66,7 +67,7 @@ def quantize_fp8(src: str | Path, dst: str | Path) -> Path:
             tensor = reader.read(name)
             if reader.is_fp8(name):
                 raise CheckpointError(f"{reader.file_of(name)}: {name} is already FP8; nothing to quantize")
-            if is_quantizable(name, tuple(tensor.shape)):
+            if is_fp8_in_deepseek_checkpoints(name, tuple(tensor.shape)):
                 out[name], out[name + SCALE_SUFFIX] = kernels.weight_quant(tensor.float())
             elif name.endswith("e_score_correction_bias"):
                 out[name] = tensor.float()
@@ -94,6 +95,9 @@ def quantize_int(src: str | Path, dst: str | Path, quant: IntQuant) -> Path:
                 base = name.removesuffix("weight")
                 out |= {base + key: t for key, t in quantize_weight(tensor, quant).items()}
             else:
+                # An FP8 tensor quantization leaves alone (kv_a_proj_with_mqa) is written dequantized in
+                # fp32, which is exact (an e4m3 value times an fp32 scale): it loads as it does from the
+                # FP8 source, in whatever compute dtype.
                 out[name] = tensor
         return out
 

@@ -9,7 +9,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from moelaunch.model.quantization import IntQuant, is_quantizable
+from moelaunch.model.quantization import IntQuant, is_fp8_in_deepseek_checkpoints, is_quantizable
 from moelaunch.parallel.shard_tensors import ShardTensor
 
 # Parts in print order: name, pattern over a tensor name with its layer and expert ids as `*`, and how
@@ -28,7 +28,7 @@ _LAYER_PREFIX = "model.layers.*."
 
 def is_fp8(t: ShardTensor, dtype: str) -> bool:
     """Under fp8 the projections are block-FP8; embedding, lm_head, norms and gate stay 16-bit."""
-    return dtype == "fp8" and is_quantizable(t.name, t.shape)
+    return dtype == "fp8" and is_fp8_in_deepseek_checkpoints(t.name, t.shape)
 
 
 def param_bytes(t: ShardTensor, dtype: str) -> int:
