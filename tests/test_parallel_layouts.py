@@ -171,7 +171,8 @@ def test_each_variant_changes_the_outputs(single_process):
 # flip: the weight-only methods' 16-bit codes (a step of 1/32767 of a row's largest value) and, for INT4
 # on an AMX CPU, the bf16 tiles that take a group of 8 rows or more, where one layout batches a group's
 # rows and another does not (bf16's rounding, 2^-8; measured up to 1.6e-2 here). There a token at the
-# top-20's cut may trade places with a near tie.
+# top-20's cut may trade places with a near tie, and a greedy pick between two near-tied tokens may go
+# either way (first_near_tie).
 LOGPROB_TOLERANCE = {"int8+kv-fp8": 1e-3, "int4+topk": 4e-2}
 
 
@@ -189,12 +190,33 @@ def test_layout_matches_one_process(name, layouts, single_process):
     got = layouts[name]["results"]
     variant = name.partition(":")[2]
     reference = single_process[variant]
+    tolerance = LOGPROB_TOLERANCE.get(variant, 1e-4)
     for r in PLAN[name]["requests"]:
         tokens, logprobs = reference[r["id"]]
         got_tokens, got_logprobs = got[r["id"]]
-        assert got_tokens == tokens
-        for ours, theirs in zip(got_logprobs, logprobs, strict=True):  # top-20 log-probabilities per step
-            assert_top_logprobs_close(ours, theirs, LOGPROB_TOLERANCE.get(variant, 1e-4))
+        steps = len(tokens)
+        if tolerance > 1e-4 and got_tokens != tokens:
+            steps = first_near_tie(got_tokens, tokens, got_logprobs, logprobs, tolerance) + 1
+        else:
+            assert got_tokens == tokens
+        for ours, theirs in zip(got_logprobs[:steps], logprobs[:steps], strict=True):  # top-20 per step
+            assert_top_logprobs_close(ours, theirs, tolerance)
+
+
+def first_near_tie(
+    ours: list[int], theirs: list[int], our_lps: list, their_lps: list, tolerance: float
+) -> int:
+    """The step where an integer layout's greedy pick first differs from one process's: allowed only
+    between two tokens within `tolerance` of each other in both runs' log-probabilities (a near tie that
+    the integer codes' rounding decides; the sequences go different ways after it, so later steps are not
+    compared). Measured: tp2 int4+topk picked token 71 where one process picked 8, 1.3e-5 and 4.6e-4
+    apart in the two runs."""
+    assert len(ours) == len(theirs)
+    step = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+    a, b = ours[step], theirs[step]
+    for lps in (our_lps[step], their_lps[step]):
+        assert a in lps and b in lps and abs(lps[a] - lps[b]) <= tolerance, (step, a, b, lps)
+    return step
 
 
 def test_eplb_layout_differs_per_layer_with_copies():
