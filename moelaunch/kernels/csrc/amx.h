@@ -119,36 +119,50 @@ inline void columns16(const float* block, __m512 columns[16]) {
   }
 }
 
-// Two products against the same packed B tiles, 16 x 16 fp32 each, stored at c0 and c1 (64-byte rows):
-// C = sum over the 32-value slices of A (16 rows of bf16 from a0 or a1, a row `a_stride` bytes apart) x
-// B (slice s at b + s * kTileValues). Tile registers are not renamed, so a load waits for the multiply
-// reading its register: even slices use registers 2-4, odd ones 5-7, and the two sums (0 and 1) run at
-// once (with one register set the multiplies waited on loads a third of the time). `prefetch`, when
-// given, ticks once per two slices.
-inline void pair_products(const c10::BFloat16* a0, const c10::BFloat16* a1, int64_t a_stride, const uint32_t* b,
-                          int64_t slices, float* c0, float* c1, SpreadPrefetcher* prefetch = nullptr) {
+// The tile multiplies of pair_products for bf16 pairs summed into fp32 (TDPBF16PS): sums 0 and 1 from the
+// A tiles in registers 2 and 3 by B in 4 (even slices), or in 5 and 6 by B in 7 (odd ones). Literal
+// register numbers: the intrinsics paste their arguments into the instruction's text.
+struct Bf16Products {
+  static void even() {
+    _tile_dpbf16ps(0, 2, 4);
+    _tile_dpbf16ps(1, 3, 4);
+  }
+  static void odd() {
+    _tile_dpbf16ps(0, 5, 7);
+    _tile_dpbf16ps(1, 6, 7);
+  }
+};
+
+// Two products against the same packed B tiles, 16 x 16 sums each (fp32 for bf16 values, int32 for int8
+// ones, as `Products` multiplies), stored at c0 and c1 (64-byte rows): C = sum over the 64-byte slices of
+// A (16 rows from a0 or a1, a row `a_stride` bytes apart) x B (slice s at b + s * kTileValues). Tile
+// registers are not renamed, so a load waits for the multiply reading its register: even slices use
+// registers 2-4, odd ones 5-7, and the two sums (0 and 1) run at once (with one register set the
+// multiplies waited on loads a third of the time). `prefetch`, when given, ticks once per two slices.
+template <class Products = Bf16Products, typename value_t, typename sum_t>
+inline void pair_products(const value_t* a0, const value_t* a1, int64_t a_stride, const uint32_t* b, int64_t slices,
+                          sum_t* c0, sum_t* c1, SpreadPrefetcher* prefetch = nullptr) {
+  const auto* rows0 = reinterpret_cast<const char*>(a0);
+  const auto* rows1 = reinterpret_cast<const char*>(a1);
   _tile_zero(0);
   _tile_zero(1);
   int64_t s = 0;
   for (; s + 2 <= slices; s += 2) {
     if (prefetch) prefetch->tick();
     _tile_loadd(4, b + s * kTileValues, kTileRowBytes);
-    _tile_loadd(2, a0 + s * kSlice, a_stride);
-    _tile_loadd(3, a1 + s * kSlice, a_stride);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
+    _tile_loadd(2, rows0 + s * kTileRowBytes, a_stride);
+    _tile_loadd(3, rows1 + s * kTileRowBytes, a_stride);
+    Products::even();
     _tile_loadd(7, b + (s + 1) * kTileValues, kTileRowBytes);
-    _tile_loadd(5, a0 + (s + 1) * kSlice, a_stride);
-    _tile_loadd(6, a1 + (s + 1) * kSlice, a_stride);
-    _tile_dpbf16ps(0, 5, 7);
-    _tile_dpbf16ps(1, 6, 7);
+    _tile_loadd(5, rows0 + (s + 1) * kTileRowBytes, a_stride);
+    _tile_loadd(6, rows1 + (s + 1) * kTileRowBytes, a_stride);
+    Products::odd();
   }
   if (s < slices) {
     _tile_loadd(4, b + s * kTileValues, kTileRowBytes);
-    _tile_loadd(2, a0 + s * kSlice, a_stride);
-    _tile_loadd(3, a1 + s * kSlice, a_stride);
-    _tile_dpbf16ps(0, 2, 4);
-    _tile_dpbf16ps(1, 3, 4);
+    _tile_loadd(2, rows0 + s * kTileRowBytes, a_stride);
+    _tile_loadd(3, rows1 + s * kTileRowBytes, a_stride);
+    Products::even();
   }
   _tile_stored(0, c0, kTileRowBytes);
   _tile_stored(1, c1, kTileRowBytes);

@@ -39,42 +39,22 @@ struct Codes {
   const float* scale;
 };
 
-// Two int32 16 x 16 sums over the K slices, two weight tiles against the same int8 codes: c0 = A0 . B,
-// c1 = A1 . B, each a chain of tile multiplies the other's run between (one chain alone waits on each
-// multiply). A tiles: 16 weight rows from a0 / a1, a_stride bytes apart; B: slice s at b + s * kTileValues.
-// Even slices use tile registers 2-4, odd ones 5-7, so a load need not wait for the multiply before it.
-inline void pair_products(const int8_t* a0, const int8_t* a1, int64_t a_stride, const uint32_t* b, int64_t slices,
-                          int32_t* c0, int32_t* c1) {
-  constexpr int64_t kValues = amx::kTileValues, kRow = amx::kTileRowBytes, kSlice = amx::kByteSlice;
-  _tile_zero(0);
-  _tile_zero(1);
-  int64_t s = 0;
-  for (; s + 2 <= slices; s += 2) {
-    _tile_loadd(2, a0 + s * kSlice, a_stride);
-    _tile_loadd(3, b + s * kValues, kRow);
-    _tile_loadd(4, a1 + s * kSlice, a_stride);
-    _tile_dpbssd(0, 2, 3);
-    _tile_dpbssd(1, 4, 3);
-    _tile_loadd(5, a0 + (s + 1) * kSlice, a_stride);
-    _tile_loadd(6, b + (s + 1) * kValues, kRow);
-    _tile_loadd(7, a1 + (s + 1) * kSlice, a_stride);
-    _tile_dpbssd(0, 5, 6);
-    _tile_dpbssd(1, 7, 6);
+// amx::pair_products' tile multiplies for signed int8 quads summed into int32 (TDPBSSD), in the registers
+// of amx::Bf16Products: W8A8's two weight tiles against the same int8 codes.
+struct Int8Products {
+  static void even() {
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 4);
   }
-  if (s < slices) {
-    _tile_loadd(2, a0 + s * kSlice, a_stride);
-    _tile_loadd(3, b + s * kValues, kRow);
-    _tile_loadd(4, a1 + s * kSlice, a_stride);
-    _tile_dpbssd(0, 2, 3);
-    _tile_dpbssd(1, 4, 3);
+  static void odd() {
+    _tile_dpbssd(0, 5, 7);
+    _tile_dpbssd(1, 6, 7);
   }
-  _tile_stored(0, c0, kRow);
-  _tile_stored(1, c1, kRow);
-}
+};
 
-// The same for split codes: four sums, c[0] = A0 . B_high, c[1] = A0 . B_low (unsigned B), c[2] = A1 .
-// B_high, c[3] = A1 . B_low; four chains, so the registers need no second set of operands (one weight
-// tile's two chains a time ran at half this speed).
+// As amx::pair_products for split codes: four sums, c[0] = A0 . B_high, c[1] = A0 . B_low (unsigned B),
+// c[2] = A1 . B_high, c[3] = A1 . B_low; four chains, so the registers need no second set of operands
+// (one weight tile's two chains a time ran at half this speed).
 inline void split_pair_products(const int8_t* a0, const int8_t* a1, int64_t a_stride, const uint32_t* const* b,
                                 int64_t slices, int32_t* const* c) {
   constexpr int64_t kValues = amx::kTileValues, kRow = amx::kTileRowBytes, kSlice = amx::kByteSlice;
@@ -148,7 +128,7 @@ void grouped_products(const Codes& x, const int8_t* q, const float* w_scale, con
             int32_t* out4[4] = {sums[0], sums[1], sums[2], sums[3]};
             split_pair_products(a0, a1, k, b, slices, out4);
           } else {
-            pair_products(a0, a1, k, b[0], slices, sums[0], sums[2]);
+            amx::pair_products<Int8Products>(a0, a1, k, b[0], slices, sums[0], sums[2]);
           }
           for (int64_t r = 0; r < std::min(kBlock, m1 - m); ++r) {
             const float xs = x.scale[m + r];
