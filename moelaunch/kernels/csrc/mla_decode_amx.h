@@ -2,15 +2,17 @@
 //
 // Same contract as paged_mla_decode_cpu and the numerics of its vdpbf16ps path (fp32 sums of bf16
 // products, each softmax weight rounded to bf16 and the running sum adding the rounded weights), with
-// both products as tile multiplies of 16 x 16 x 32 values per instruction (vdpbf16ps: 16 x 2):
-// - scores, 16 tokens at a time: S[token][head] = sum over 32-value slices of the cached rows (the A
-//   tile, loaded straight from the pool: 16 rows a row's stride apart) times the task's queries (B
-//   tiles, packed once per task as value pairs per head);
-// - weighted sum: O[head][column] += W[head][token] x cache[token][column], with the weights (rounded
-//   to bf16, 32 tokens a row) as the A tile and the cache as B tiles: each token pair's rows interleaved
-//   by vpunpck{l,h}wd, so that the columns come out in the order bf16::write_interleaved_columns undoes.
+// both products as tile multiplies that read the cached rows straight from the pool (16 rows a row's
+// stride apart), so nothing is copied per token:
+// - scores, 16 tokens (one piece) at a time: S[token][head] = sum over 32-value slices of the cached
+//   rows (the A tile) times the task's queries (B tiles, packed once per task as value pairs per head);
+// - weighted sum, per 32-column chunk and piece: the cached rows are the B tile (token k's columns
+//   2n, 2n + 1 as the pair of column n) and the weights the A tile, each weight beside a zero: in rows
+//   0-7 of a tile as the pair's first value (heads 0-7 summing the even columns), in rows 8-15 as the
+//   second (the odd columns). A tile multiply thus sums 16 tokens (32 with interleaved token pairs, which
+//   cost a vector interleave per token pair and a tile load waiting on those stores: a fifth of the time).
 // The softmax keeps one lane per head (16 lanes) and rescales the accumulator once per segment of up to
-// 64 tokens; the accumulator (16 heads x c_dim fp32) lives in memory, more than the 8 tile registers.
+// 4 pieces; the accumulator (per 8 heads, per chunk one 16 x 16 fp32 tile) lives in memory.
 // Tile registers are not renamed: a load into a register waits until the multiply reading it is done,
 // so consecutive steps alternate between two sets of registers and two independent sums run at once
 // (one register set per step left the multiplies waiting on loads: a third of the time in one load).
@@ -30,19 +32,18 @@
 #include <limits>
 
 #include "amx.h"
-#include "bf16_dot.h"
 #include "scratch.h"
 #include "simd.h"
 
 namespace moelaunch::mla_amx {
 
 using BF16 = c10::BFloat16;
-constexpr int64_t kHeads = 16;   // heads per task: the score tile's columns, the weight tile's rows
-constexpr int64_t kTokens = 16;  // tokens per score tile
+constexpr int64_t kHeads = 16;   // heads per task: the score tile's columns
+constexpr int64_t kHalf = 8;     // heads per weight tile (each head's weights in two of its rows)
+constexpr int64_t kTokens = 16;  // tokens per piece: a score tile's rows, a weighted-sum tile's
+constexpr int64_t kPieces = 4;   // pieces per segment (softmax rescales once per segment)
 constexpr int64_t kSlice = amx::kSlice;  // bf16 values per tile row
-constexpr int64_t kChunks = 2;   // weight tiles per segment (registers 4 and 5)
-constexpr int64_t kSegment = kChunks * kSlice;
-constexpr int64_t kPairTile = amx::kTileValues;
+constexpr int64_t kTileValues = amx::kTileValues;
 
 inline bool fits(int64_t width, int64_t c_dim) { return width % kSlice == 0 && c_dim % kSlice == 0; }
 
@@ -63,115 +64,194 @@ inline vec16 load16(const float* p) {
 inline void pack_queries(const BF16* latent, const BF16* rope, int64_t heads, int64_t c_dim, int64_t p_dim,
                          uint32_t* tiles) {
   amx::pack_pairs(latent, heads, c_dim, c_dim, tiles);
-  amx::pack_pairs(rope, heads, p_dim, p_dim, tiles + c_dim / kSlice * kPairTile);
-}
-
-// B tiles of tokens[2i] and tokens[2i + 1]'s columns c..c+31 interleaved, i < 16: `lo` and `hi` each 16
-// rows of 16 pairs. Tokens at or past n are zeros (their weights are zero, and 0 x garbage may be NaN).
-inline void interleave_pairs(const BF16* const* tokens, int64_t n, int64_t c, uint32_t* lo, uint32_t* hi) {
-  for (int64_t i = 0; i < kTokens; ++i) {
-    const int64_t t = 2 * i;
-    const __m512i first = t < n ? _mm512_loadu_si512(tokens[t] + c) : _mm512_setzero_si512();
-    const __m512i second = t + 1 < n ? _mm512_loadu_si512(tokens[t + 1] + c) : _mm512_setzero_si512();
-    _mm512_store_si512(lo + i * kHeads, _mm512_unpacklo_epi16(first, second));
-    _mm512_store_si512(hi + i * kHeads, _mm512_unpackhi_epi16(first, second));
-  }
+  amx::pack_pairs(rope, heads, p_dim, p_dim, tiles + c_dim / kSlice * kTileValues);
 }
 
 // The per-thread memory of decode_rows.
 struct Workspace {
   explicit Workspace(int64_t width, int64_t c_dim)
-      : queries(width / kSlice * kPairTile),
-        pairs(8 * kPairTile),
-        acc(kHeads * c_dim),
-        scores((kSegment + 2 * kTokens) * kHeads),
-        weights(kHeads * kSegment),
-        partial(2 * kTokens * width) {}
-  Scratch<uint32_t> queries, pairs;
-  Scratch<> acc, scores;
-  Scratch<uint16_t> weights;  // bf16 bits
+      : queries(width / kSlice * kTileValues),
+        acc(2 * c_dim / kSlice * kTileValues),
+        scores((kPieces + 1) * kTokens * kHeads),
+        weights(kPieces * 2 * kTileValues),
+        partial(kPieces * kTokens * width) {}
+  Scratch<uint32_t> queries;
+  Scratch<> acc, scores;  // acc: per 8 heads, per chunk a tile (rows 0-7 even columns, 8-15 odd)
+  Scratch<uint32_t> weights;  // per piece, per 8 heads an A tile of weights beside zeros
   Scratch<BF16> partial;      // short pieces, copied and padded with zeros
-  const BF16* tokens[kSegment];
+  const BF16* rows[kPieces];  // each piece's 16 rows (in the pool, or its copy)
+  int64_t lengths[kPieces];   // each piece's tokens
+  int64_t pieces = 0;
 };
 
-// Scores (scaled) of the row's tokens [pos, pos + up to kSegment) into ws.scores [token][head], their
-// rows' addresses into ws.tokens; returns the count. Pieces of up to 16 tokens sit in one block and
-// go two at a time (an odd last piece is paired with itself).
+// Scores (scaled) of the row's next segment, from pos (up to 4 pieces), into ws.scores [piece token][head];
+// the pieces into ws.rows / ws.lengths. Returns the tokens covered. Pieces go two at a time (an odd
+// last piece is paired with itself).
 template <typename index_t>
 int64_t score_segment(Workspace& ws, const BF16* cache, const index_t* table, int64_t pos, int64_t len,
                       int64_t block_size, int64_t width, float scale) {
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(BF16));
-  int64_t count = 0;
-  while (pos < len && count < kSegment) {
-    const BF16* piece[2];
-    int64_t start[2], n_pieces = 0;
-    for (; n_pieces < 2 && pos < len && count < kSegment; ++n_pieces) {
-      const int64_t offset = pos % block_size;
-      const int64_t n = std::min({kTokens, block_size - offset, len - pos, kSegment - count});
-      const BF16* rows = cache + (static_cast<int64_t>(table[pos / block_size]) * block_size + offset) * width;
-      for (int64_t t = 0; t < n; ++t) ws.tokens[count + t] = rows + t * width;
-      if (n < kTokens) {  // the tile reads 16 rows: a short piece's are copied, then zeros
-        BF16* copy = ws.partial.data() + n_pieces * kTokens * width;
-        std::memcpy(copy, rows, n * row_bytes);
-        std::memset(copy + n * width, 0, (kTokens - n) * row_bytes);
-        rows = copy;
-      }
-      piece[n_pieces] = rows;
-      start[n_pieces] = count;
-      count += n;
-      pos += n;
+  int64_t tokens = 0;
+  for (ws.pieces = 0; ws.pieces < kPieces && pos < len; ++ws.pieces) {
+    const int64_t offset = pos % block_size;
+    const int64_t n = std::min({kTokens, block_size - offset, len - pos});
+    const BF16* rows = cache + (static_cast<int64_t>(table[pos / block_size]) * block_size + offset) * width;
+    if (n < kTokens) {  // a tile reads 16 rows: a short piece's are copied, then zeros
+      BF16* copy = ws.partial.data() + ws.pieces * kTokens * width;
+      std::memcpy(copy, rows, n * row_bytes);
+      std::memset(copy + n * width, 0, (kTokens - n) * row_bytes);
+      rows = copy;
     }
-    float* into = ws.scores.data();
-    // A lone piece's twin goes past the segment's rows, where nothing reads it.
-    amx::pair_products(piece[0], piece[n_pieces - 1], row_bytes, ws.queries.data(), width / kSlice,
-                       into + start[0] * kHeads, into + (n_pieces == 2 ? start[1] : kSegment + kTokens) * kHeads);
+    ws.rows[ws.pieces] = rows;
+    ws.lengths[ws.pieces] = n;
+    pos += n;
+    tokens += n;
   }
-  for (int64_t t = 0; t < count; ++t) {
-    const vec16 s = load16(ws.scores.data() + t * kHeads) * scale;
-    std::memcpy(ws.scores.data() + t * kHeads, &s, sizeof s);
+  float* scores = ws.scores.data();
+  for (int64_t p = 0; p < ws.pieces; p += 2) {
+    const bool pair = p + 1 < ws.pieces;  // a lone piece's twin goes past the segment, where nothing reads it
+    amx::pair_products(ws.rows[p], ws.rows[pair ? p + 1 : p], row_bytes, ws.queries.data(), width / kSlice,
+                       scores + p * kTokens * kHeads, scores + (pair ? p + 1 : kPieces) * kTokens * kHeads);
   }
-  return count;
+  for (int64_t t = 0; t < ws.pieces * kTokens; ++t) {
+    const vec16 s = load16(scores + t * kHeads) * scale;
+    std::memcpy(scores + t * kHeads, &s, sizeof s);
+  }
+  return tokens;
 }
 
-// acc[h] += weights[h] x tokens' columns for all 32-column chunks (acc[h] = on the first segment):
-// accumulator halves in registers 0-1, the weights of tokens 0-31 in 4 and 32-63 in 5, their
-// interleaved columns in 2-3 and 6-7. The interleave runs one chunk ahead into the other half of
-// ws.pairs: a tile load of lines that vector stores have just written waits for them to reach the cache.
-inline void weighted_sum(Workspace& ws, int64_t count, int64_t c_dim, bool first) {
-  const int64_t chunks = (count + kSlice - 1) / kSlice, acc_stride = c_dim * static_cast<int64_t>(sizeof(float));
-  constexpr int64_t weight_stride = kSegment * sizeof(uint16_t);
-  auto interleave = [&](int64_t c, uint32_t* pairs) {
-    interleave_pairs(ws.tokens, count, c, pairs, pairs + kPairTile);
-    if (chunks > 1) interleave_pairs(ws.tokens + kSlice, count - kSlice, c, pairs + 2 * kPairTile, pairs + 3 * kPairTile);
-  };
-  _tile_loadd(4, ws.weights.data(), weight_stride);
-  if (chunks > 1) _tile_loadd(5, ws.weights.data() + kSlice, weight_stride);
-  interleave(0, ws.pairs.data());
-  for (int64_t c = 0; c < c_dim; c += kSlice) {
-    uint32_t* pairs = ws.pairs.data() + (c / kSlice % 2) * 4 * kPairTile;
-    float* acc = ws.acc.data() + c;
+// Piece p's softmax weights exp(score - max) rounded to bf16 (zero past its tokens), added to `sum`, into
+// its A tiles: for heads 8q..8q+7, tile q's row h holds them as each pair's first value (bits >> 16),
+// row 8 + h as its second; 16 tokens at a time through one in-register transpose (a scalar store per
+// weight took a tenth of the kernel's time).
+inline void store_weights(Workspace& ws, int64_t p, int64_t halves, vec16 max, vec16& sum) {
+  alignas(64) u32x16 block[kTokens];  // [token][head]: each weight's bf16 bits in the high half
+  for (int64_t i = 0; i < kTokens; ++i) {
+    block[i] = u32x16{};
+    if (i >= ws.lengths[p]) continue;
+    block[i] = round_bf16_bits(exp16(load16(ws.scores.data() + (p * kTokens + i) * kHeads) - max));
+    vec16 rounded;
+    std::memcpy(&rounded, &block[i], sizeof rounded);
+    sum += rounded;
+  }
+  __m512 by_head[kHeads];
+  amx::columns16(reinterpret_cast<const float*>(block), by_head);
+  for (int64_t h = 0; h < halves * kHalf; ++h) {
+    uint32_t* tile = ws.weights.data() + (p * 2 + h / kHalf) * kTileValues;
+    const __m512i bits = _mm512_castps_si512(by_head[h]);
+    _mm512_store_si512(tile + (h % kHalf) * amx::kTileRows, _mm512_srli_epi32(bits, 16));
+    _mm512_store_si512(tile + (h % kHalf + kHalf) * amx::kTileRows, bits);
+  }
+}
+
+// One piece's multiplies into the two accumulators 0 and 1 (two independent sums: a tile multiply waits
+// for the one before it on the same accumulator, ~3x its issue interval), either for one chunk of rows
+// and both halves of the heads (shared_rows), or for two chunks and one half (shared_weights). Each piece
+// takes one of two register sets, so its loads need not wait for the previous piece's multiplies.
+// Literal register numbers: the intrinsics paste them.
+struct FirstPieceRegisters {
+  static void shared_rows(const void* rows, int64_t stride, const void* w0, const void* w1) {
+    _tile_loadd(2, rows, stride);
+    _tile_loadd(3, w0, amx::kTileRowBytes);
+    _tile_loadd(4, w1, amx::kTileRowBytes);
+    _tile_dpbf16ps(0, 3, 2);
+    _tile_dpbf16ps(1, 4, 2);
+  }
+  static void shared_weights(const void* rows0, const void* rows1, int64_t stride, const void* w) {
+    _tile_loadd(2, rows0, stride);
+    _tile_loadd(3, rows1, stride);
+    _tile_loadd(4, w, amx::kTileRowBytes);
+    _tile_dpbf16ps(0, 4, 2);
+    _tile_dpbf16ps(1, 4, 3);
+  }
+};
+struct SecondPieceRegisters {
+  static void shared_rows(const void* rows, int64_t stride, const void* w0, const void* w1) {
+    _tile_loadd(5, rows, stride);
+    _tile_loadd(6, w0, amx::kTileRowBytes);
+    _tile_loadd(7, w1, amx::kTileRowBytes);
+    _tile_dpbf16ps(0, 6, 5);
+    _tile_dpbf16ps(1, 7, 5);
+  }
+  static void shared_weights(const void* rows0, const void* rows1, int64_t stride, const void* w) {
+    _tile_loadd(5, rows0, stride);
+    _tile_loadd(6, rows1, stride);
+    _tile_loadd(7, w, amx::kTileRowBytes);
+    _tile_dpbf16ps(0, 7, 5);
+    _tile_dpbf16ps(1, 7, 6);
+  }
+};
+
+// Piece p's multiplies for the chunk of 32 columns from c: with two halves of heads, both; with one, for
+// chunks c and c2 (c2 == c when c is the last chunk: its second sum is then dropped).
+template <class Regs>
+inline void piece_product(Workspace& ws, int64_t p, int64_t c, int64_t c2, int64_t row_bytes, int64_t halves) {
+  const uint32_t* weights = ws.weights.data() + p * 2 * kTileValues;
+  if (halves > 1) {
+    Regs::shared_rows(ws.rows[p] + c, row_bytes, weights, weights + kTileValues);
+  } else {
+    Regs::shared_weights(ws.rows[p] + c, ws.rows[p] + c2, row_bytes, weights);
+  }
+}
+
+// acc += the segment's weights x its rows, for every 32-column chunk (acc = on the first segment), two
+// accumulator tiles per step: one chunk's two halves of the heads, or (one half) two chunks.
+inline void weighted_sum(Workspace& ws, int64_t halves, int64_t c_dim, int64_t row_bytes, bool first) {
+  const int64_t chunks = c_dim / kSlice;
+  const int64_t step = halves > 1 ? 1 : 2;
+  for (int64_t chunk = 0; chunk < chunks; chunk += step) {
+    const int64_t chunk2 = halves > 1 ? chunk : std::min(chunk + 1, chunks - 1);
+    const bool second = halves > 1 || chunk2 != chunk;  // whether accumulator 1 holds a sum to keep
+    float* acc0 = ws.acc.data() + chunk * kTileValues;
+    float* acc1 = halves > 1 ? acc0 + chunks * kTileValues : acc0 + kTileValues;
     if (first) {
       _tile_zero(0);
       _tile_zero(1);
     } else {
-      _tile_loadd(0, acc, acc_stride);
-      _tile_loadd(1, acc + kHeads, acc_stride);
+      _tile_loadd(0, acc0, amx::kTileRowBytes);
+      if (second) _tile_loadd(1, acc1, amx::kTileRowBytes);
     }
-    _tile_loadd(2, pairs, amx::kTileRowBytes);
-    _tile_loadd(3, pairs + kPairTile, amx::kTileRowBytes);
-    if (chunks > 1) {
-      _tile_loadd(6, pairs + 2 * kPairTile, amx::kTileRowBytes);
-      _tile_loadd(7, pairs + 3 * kPairTile, amx::kTileRowBytes);
+    for (int64_t p = 0; p < ws.pieces; ++p) {
+      if (p % 2 == 0) {
+        piece_product<FirstPieceRegisters>(ws, p, chunk * kSlice, chunk2 * kSlice, row_bytes, halves);
+      } else {
+        piece_product<SecondPieceRegisters>(ws, p, chunk * kSlice, chunk2 * kSlice, row_bytes, halves);
+      }
     }
-    if (c + kSlice < c_dim) interleave(c + kSlice, ws.pairs.data() + ((c / kSlice + 1) % 2) * 4 * kPairTile);
-    _tile_dpbf16ps(0, 4, 2);
-    _tile_dpbf16ps(1, 4, 3);
-    if (chunks > 1) {
-      _tile_dpbf16ps(0, 5, 6);
-      _tile_dpbf16ps(1, 5, 7);
+    _tile_stored(0, acc0, amx::kTileRowBytes);
+    if (second) _tile_stored(1, acc1, amx::kTileRowBytes);
+  }
+}
+
+// Head h's accumulated columns (even ones in row h % 8 of its half's tiles, odd ones in row 8 + h % 8),
+// times inv, into out [c_dim] in column order.
+inline void write_head(const float* acc, int64_t h, int64_t c_dim, float inv, float* out) {
+  const __m512i first_half = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512 scale = _mm512_set1_ps(inv);
+  const int64_t chunks = c_dim / kSlice;
+  const float* tiles = acc + (h / kHalf) * chunks * kTileValues;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const float* tile = tiles + chunk * kTileValues;
+    const __m512 even = _mm512_load_ps(tile + (h % kHalf) * amx::kTileRows);
+    const __m512 odd = _mm512_load_ps(tile + (h % kHalf + kHalf) * amx::kTileRows);
+    _mm512_storeu_ps(out + chunk * kSlice, _mm512_mul_ps(_mm512_permutex2var_ps(even, first_half, odd), scale));
+    _mm512_storeu_ps(out + chunk * kSlice + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, second_half, odd), scale));
+  }
+}
+
+// The accumulator's rows of each head times its correction (heads 0..halves * 8).
+inline void rescale(Workspace& ws, int64_t halves, int64_t c_dim, vec16 correction) {
+  const int64_t chunks = c_dim / kSlice;
+  for (int64_t q = 0; q < halves; ++q) {
+    for (int64_t row = 0; row < amx::kTileRows; ++row) {
+      const float factor = correction[q * kHalf + row % kHalf];
+      if (factor == 1.f) continue;
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        float* r = ws.acc.data() + (q * chunks + chunk) * kTileValues + row * amx::kTileRows;
+        _mm512_store_ps(r, _mm512_mul_ps(_mm512_load_ps(r), _mm512_set1_ps(factor)));
+      }
     }
-    _tile_stored(0, acc, acc_stride);
-    _tile_stored(1, acc + kHeads, acc_stride);
   }
 }
 
@@ -180,6 +260,7 @@ void decode_rows(const BF16* q_latent, const BF16* q_pe, const BF16* cache, cons
                  const int64_t* seq_lens, const int64_t* starts, float* out, int64_t rows, int64_t heads,
                  int64_t c_dim, int64_t p_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t width = c_dim + p_dim;
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(BF16));
   const int64_t head_groups = (heads + kHeads - 1) / kHeads;
   at::parallel_for(0, rows * head_groups, 1, [&](int64_t begin, int64_t end) {
     amx::Tiles tiles;
@@ -188,6 +269,7 @@ void decode_rows(const BF16* q_latent, const BF16* q_pe, const BF16* cache, cons
       const int64_t r = task / head_groups;
       const int64_t h0 = (task % head_groups) * kHeads;
       const int64_t nh = std::min(kHeads, heads - h0);
+      const int64_t halves = (nh + kHalf - 1) / kHalf;
       const int64_t len = seq_lens[r];
       pack_queries(q_latent + (r * heads + h0) * c_dim, q_pe + (r * heads + h0) * p_dim, nh, c_dim, p_dim,
                    ws.queries.data());
@@ -195,50 +277,24 @@ void decode_rows(const BF16* q_latent, const BF16* q_pe, const BF16* cache, cons
       const int64_t first_pos = starts ? starts[r] : 0;
       for (int64_t pos = first_pos; pos < len;) {
         const bool first = pos == first_pos;
-        const int64_t count =
-            score_segment(ws, cache, block_table + r * max_blocks, pos, len, block_size, width, scale);
-        pos += count;
+        pos += score_segment(ws, cache, block_table + r * max_blocks, pos, len, block_size, width, scale);
         // Softmax over the segment, one lane per head; the accumulator rescaled to the new max.
         vec16 segment_max = running_max;
-        for (int64_t t = 0; t < count; ++t) {
-          const vec16 s = load16(ws.scores.data() + t * kHeads);
-          segment_max = s > segment_max ? s : segment_max;
+        for (int64_t p = 0; p < ws.pieces; ++p) {
+          for (int64_t t = 0; t < ws.lengths[p]; ++t) {
+            const vec16 s = load16(ws.scores.data() + (p * kTokens + t) * kHeads);
+            segment_max = s > segment_max ? s : segment_max;
+          }
         }
         const vec16 correction = exp16(running_max - segment_max);
         running_sum *= correction;
-        for (int64_t h = 0; h < nh && !first; ++h) {
-          if (correction[h] == 1.f) continue;
-          float* acc_h = ws.acc.data() + h * c_dim;
-          for (int64_t c = 0; c < c_dim; ++c) acc_h[c] *= correction[h];
-        }
+        if (!first) rescale(ws, halves, c_dim, correction);
         running_max = segment_max;
-        // Each weight rounded to bf16, the sum adding the rounded values; stored transposed, [head][token],
-        // 16 tokens at a time through one in-register transpose (one scalar store per weight took a tenth
-        // of the kernel's time), zeros after the last token up to a whole chunk.
-        const int64_t padded = (count + kSlice - 1) / kSlice * kSlice;
-        for (int64_t t0 = 0; t0 < padded; t0 += kTokens) {
-          alignas(64) u32x16 block[kTokens];  // [token][head]: each weight's bf16 bits in the high half
-          for (int64_t i = 0; i < kTokens; ++i) {
-            block[i] = u32x16{};
-            if (t0 + i >= count) continue;
-            block[i] = round_bf16_bits(exp16(load16(ws.scores.data() + (t0 + i) * kHeads) - segment_max));
-            vec16 rounded;
-            std::memcpy(&rounded, &block[i], sizeof rounded);
-            running_sum += rounded;
-          }
-          __m512 by_head[kHeads];
-          amx::columns16(reinterpret_cast<const float*>(block), by_head);
-          for (int64_t h = 0; h < kHeads; ++h) {
-            const __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(by_head[h]), 16);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.weights.data() + h * kSegment + t0),
-                                _mm512_cvtepi32_epi16(bits));
-          }
-        }
-        weighted_sum(ws, count, c_dim, first);
+        for (int64_t p = 0; p < ws.pieces; ++p) store_weights(ws, p, halves, segment_max, running_sum);
+        weighted_sum(ws, halves, c_dim, row_bytes, first);
       }
       for (int64_t h = 0; h < nh; ++h) {
-        bf16::write_interleaved_columns(ws.acc.data() + h * c_dim, 1.f / running_sum[h], c_dim,
-                                        out + (r * heads + h0 + h) * c_dim);
+        write_head(ws.acc.data(), h, c_dim, 1.f / running_sum[h], out + (r * heads + h0 + h) * c_dim);
       }
     }
   });
