@@ -8,7 +8,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "prefetch.h"
 
