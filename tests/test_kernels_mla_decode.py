@@ -331,16 +331,39 @@ def test_large_logits_check_catches_a_broken_rescaling(tmp_path, monkeypatch, br
 @pytest.mark.parametrize(
     ("heads", "c_dim", "p_dim", "block_size", "scale"),
     # 20 heads: two head groups in the C++ kernel, the second partial; scale 20: logits in the hundreds,
-    # which overflow exp without the running max.
-    [(4, 64, 16, 4, 0.3), (1, 16, 8, 16, 0.3), (20, 64, 16, 16, 0.125), (4, 64, 16, 4, 20.0)],
+    # which overflow exp without the running max; c_dim 40 + 8: tails of a 16-lane vector in both products,
+    # a weighted-sum chunk of 64 columns in 80 + 16.
+    [
+        (4, 64, 16, 4, 0.3),
+        (1, 16, 8, 16, 0.3),
+        (20, 64, 16, 16, 0.125),
+        (4, 64, 16, 4, 20.0),
+        (4, 40, 8, 16, 0.3),
+        (5, 80, 16, 4, 0.3),
+    ],
 )
-def test_cpu_paths_match_naive_loop(heads, c_dim, p_dim, block_size, scale):
+def test_cpu_paths_match_naive_loop(isa_path, heads, c_dim, p_dim, block_size, scale):
+    """fp32 queries and cache on each instruction-set path (the 16-lane widening kernel from avx512 on)."""
     g = torch.Generator().manual_seed(block_size + heads)
     b = _paged_batch(g, heads, c_dim, p_dim, block_size, *_lens_and_sharing(block_size))
     for fn in (ref.paged_mla_decode_ref, cpu.paged_mla_decode_cpu):
         out = fn(*b.args(), scale)
         assert out.dtype == torch.float32
         _check_decode(out, b, scale)
+
+
+def test_widening_reads_a_bf16_cache(isa_path):
+    """fp32 queries over a bf16 cache: widened where the path has no bf16 dot products (scalar to avx512);
+    the vdpbf16ps and AMX paths round the queries (bf16 values here, so exactly) and each softmax weight."""
+    g = torch.Generator().manual_seed(5)
+    b = _paged_batch(g, 4, 40, 8, 16, *_lens_and_sharing(16), dtype=torch.bfloat16)
+    b.q_latent, b.q_pe = b.q_latent.float(), b.q_pe.float()
+    out = cpu.paged_mla_decode_cpu(*b.args(), 0.3)
+    assert out.dtype == torch.float32
+    expected, bound = _naive_decode(b, 0.3)
+    if CPU_ISA_PATHS.index(isa_path) >= CPU_ISA_PATHS.index("avx512_bf16"):
+        bound = bound + U_BF16 * weighted_spread(b, 0.3, expected)
+    assert_within(out, expected, bound)
 
 
 def test_bf16_matches_naive_loop(path):

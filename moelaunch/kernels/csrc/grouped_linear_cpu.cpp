@@ -23,6 +23,7 @@
 #include "grouped_linear_amx.h"
 #include "prefetch.h"
 #include "simd.h"
+#include "widen16.h"
 
 namespace {
 
@@ -77,25 +78,14 @@ struct WidenDot {
 };
 
 #ifdef MOELAUNCH_HAS_AVX512
+namespace widen16 = moelaunch::widen16;
+
 // The widening path at 16 lanes (AVX-512): fp32 rows, fp32 or bf16 weights. A lone input row's tile has
 // only NR (3) products, fewer independent FMA chains than the FMA latency needs, so it runs each product
 // as two chains over alternate steps of K; the tail of K is a masked load (zero past K).
 struct Widen16Dot {
   using x_t = float;
-  static constexpr int64_t kStep = 16;
-
-  static __m512 load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 load(const c10::BFloat16* p) {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  }
-  static __m512 load_first(const float* p, int64_t n) {
-    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
-  }
-  static __m512 load_first(const c10::BFloat16* p, int64_t n) {
-    const __m256i half = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-  }
+  static constexpr int64_t kStep = widen16::kStep;
 
   template <int MR, int NR, typename weight_t>
   static void tile(const float* x, int64_t ldx, const weight_t* w, int64_t k, float* out, int64_t ldo,
@@ -112,7 +102,7 @@ struct Widen16Dot {
         for (int j = 0; j < NR; ++j) sums[m * NR + j] = _mm512_fmadd_ps(xv, wv[j], sums[m * NR + j]);
       }
     };
-    const auto whole = [](const auto* p) { return load(p); };
+    const auto whole = [](const auto* p) { return widen16::load(p); };
     int64_t i = 0;
     for (; i + kChains * kStep <= k; i += kChains * kStep) {
       for (int c = 0; c < kChains; ++c) {
@@ -124,7 +114,7 @@ struct Widen16Dot {
       prefetch.tick();
       step(acc[0], i, whole);
     }
-    if (i < k) step(acc[0], i, [n = k - i](const auto* p) { return load_first(p, n); });
+    if (i < k) step(acc[0], i, [n = k - i](const auto* p) { return widen16::load_first(p, n); });
     for (int c = 0; c < MR * NR; ++c) {
       __m512 sum = acc[0][c];
       if constexpr (kChains == 2) sum = _mm512_add_ps(sum, acc[1][c]);

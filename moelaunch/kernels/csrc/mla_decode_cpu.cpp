@@ -16,7 +16,8 @@
 // and the weighted sum with each softmax weight rounded to bf16 (relative error <= 2^-9 per weight;
 // the running sum adds the rounded weights, so they still sum to one); where the CPU also has AMX
 // tiles, the same products run as tile multiplies (mla_decode_amx.h). Everything else widens bf16 to
-// fp32 (WidenAttention).
+// fp32: 16-lane FMAs on an AVX-512 path (Widen16Attention, the fp32 model's decode), 8-lane ones below it
+// and for the fp8 cache (WidenAttention).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -38,6 +39,7 @@
 #include "prefetch.h"
 #include "scratch.h"
 #include "simd.h"
+#include "widen16.h"
 
 namespace {
 
@@ -218,6 +220,84 @@ struct WidenAttention {
     for (int64_t c = 0; c < c_dim; ++c) out[c] = acc[c] * inv;
   }
 };
+
+#ifdef MOELAUNCH_HAS_AVX512
+namespace widen16 = moelaunch::widen16;
+
+// The widening path at 16 lanes (AVX-512), for fp32 queries (the fp32 model): the same products as
+// WidenAttention, whose 8-lane vectors left half of each FMA unused. The weighted sum takes 4 heads x 4
+// vectors of 64 columns per pass (32 registers hold them); tails of the width and of c_dim are masked.
+struct Widen16Attention : WidenAttention {
+  static constexpr int kVectors = 4;
+
+  template <int TT, typename cache_t>
+  static void score(const float* q, const cache_t* tokens, int64_t width, float* scores, int64_t stride,
+                    SpreadPrefetcher& fetch) {
+    constexpr int kTile = kHeadTile * TT;
+    __m512 acc[kTile];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    auto step = [&](int64_t i, auto load) {
+      __m512 k[TT];
+      for (int t = 0; t < TT; ++t) k[t] = load(tokens + t * width + i);
+      for (int h = 0; h < kHeadTile; ++h) {
+        const __m512 qh = load(q + h * width + i);
+        for (int t = 0; t < TT; ++t) acc[h * TT + t] = _mm512_fmadd_ps(qh, k[t], acc[h * TT + t]);
+      }
+    };
+    int64_t i = 0;
+    for (; i + widen16::kStep <= width; i += widen16::kStep) {
+      fetch.tick();
+      step(i, [](const auto* p) { return widen16::load(p); });
+    }
+    if (i < width) step(i, [n = width - i](const auto* p) { return widen16::load_first(p, n); });
+    for (int h = 0; h < kHeadTile; ++h) {
+      for (int t = 0; t < TT; ++t) scores[h * stride + t] = _mm512_reduce_add_ps(acc[h * TT + t]);
+    }
+  }
+
+  template <typename cache_t>
+  static void accumulate(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
+                         int64_t c_dim, float* acc, SpreadPrefetcher& fetch) {
+    constexpr int64_t kCols = kVectors * widen16::kStep;
+    int64_t c = 0;
+    for (; c + kCols <= c_dim; c += kCols) chunk<kVectors>(probs, stride, tokens, n, width, c_dim, c, acc, fetch);
+    for (; c < c_dim; c += widen16::kStep) chunk<1>(probs, stride, tokens, n, width, c_dim, c, acc, fetch);
+  }
+
+  // acc[h][c:c + V * 16] += sum_t probs[h * stride + t] * tokens[t][c:...] for kHeadTile heads, columns
+  // past c_dim masked off.
+  template <int V, typename cache_t>
+  static void chunk(const float* probs, int64_t stride, const cache_t* tokens, int64_t n, int64_t width,
+                    int64_t c_dim, int64_t c, float* acc, SpreadPrefetcher& fetch) {
+    const int64_t cols = std::min<int64_t>(c_dim - c - (V - 1) * widen16::kStep, widen16::kStep);  // last vector's
+    const __mmask16 last = static_cast<__mmask16>((1u << cols) - 1);
+    const auto mask = [&](int v) { return v == V - 1 ? last : static_cast<__mmask16>(0xffff); };
+    __m512 a[kHeadTile][V];
+    for (int h = 0; h < kHeadTile; ++h) {
+      for (int v = 0; v < V; ++v) a[h][v] = _mm512_maskz_loadu_ps(mask(v), acc + h * c_dim + c + v * widen16::kStep);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      fetch.tick();
+      __m512 k[V];
+      for (int v = 0; v < V; ++v) {
+        const cache_t* p = tokens + t * width + c + v * widen16::kStep;
+        k[v] = v == V - 1 && cols < widen16::kStep ? widen16::load_first(p, cols) : widen16::load(p);
+      }
+      for (int h = 0; h < kHeadTile; ++h) {
+        const __m512 weight = _mm512_set1_ps(probs[h * stride + t]);
+        for (int v = 0; v < V; ++v) a[h][v] = _mm512_fmadd_ps(weight, k[v], a[h][v]);
+      }
+    }
+    for (int h = 0; h < kHeadTile; ++h) {
+      for (int v = 0; v < V; ++v) _mm512_mask_storeu_ps(acc + h * c_dim + c + v * widen16::kStep, mask(v), a[h][v]);
+    }
+  }
+
+  static int64_t ticks(int64_t n, int64_t width, int64_t c_dim) {
+    return (n + 2) / 3 * (width / widen16::kStep) + c_dim / (kVectors * widen16::kStep) * n;
+  }
+};
+#endif
 
 #ifdef MOELAUNCH_HAS_AVX512_BF16
 namespace bf16 = moelaunch::bf16;
@@ -540,12 +620,21 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
   // The widening path reads fp32 queries (no copy when they are).
   q_latent = q_latent.to(torch::kFloat32);
   q_pe = q_pe.to(torch::kFloat32);
-  if (cache.scalar_type() == torch::kFloat32) {
-    dispatch_index<WidenAttention, float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
-  } else {
-    dispatch_index<WidenAttention, c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s,
-                                                  nullptr);
+  auto widen = [&](auto attention) {
+    using Attn = decltype(attention);
+    if (cache.scalar_type() == torch::kFloat32) {
+      dispatch_index<Attn, float>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
+    } else {
+      dispatch_index<Attn, c10::BFloat16>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s, nullptr);
+    }
+  };
+#ifdef MOELAUNCH_HAS_AVX512
+  if (resolved >= isa::kAvx512) {
+    widen(Widen16Attention{});
+    return out;
   }
+#endif
+  widen(WidenAttention{});
   return out;
 }
 
