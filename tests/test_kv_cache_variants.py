@@ -175,7 +175,8 @@ def decode(request):
     return mla_decode_triton.paged_mla_decode_triton
 
 
-def test_fp8_cache_decode_against_the_dequantized_and_the_unquantized_cache(decode):
+def test_fp8_cache_decode_against_the_dequantized_and_the_unquantized_cache(decode, isa_path):
+    """On each instruction-set path (the C++ kernel: 16-lane FMAs from avx512 on, 8-lane below)."""
     g = torch.Generator().manual_seed(1)
     lens = [13, 4, 9]
     seqs, cache, table = _paged(g, lens)
@@ -196,10 +197,11 @@ def test_fp8_cache_decode_against_the_dequantized_and_the_unquantized_cache(deco
     assert error < 0.15
 
 
-def test_cpu_kernel_reads_every_fp8_code_exactly():
+def test_cpu_kernel_reads_every_fp8_code_exactly(isa_path):
     """One cached token per row: attention returns its c_kv part as the kernel dequantized it (weight
     exactly 1), so every e4m3 code (subnormals, both zeros, the largest) must come out as torch reads it,
-    times the token's scale. NaN codes are left out: a cache never holds them."""
+    times the token's scale, on each instruction-set path. NaN codes are left out: a cache never holds
+    them."""
     assert kernels.prepare_cpu_kernels()
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[(codes & 0x7F) != 0x7F]  # 254 codes

@@ -75,9 +75,9 @@ def _(q_latent, q_pe, cache, block_table, seq_lens, scale, starts, path=-1) -> T
 
 @_kernel_op(
     "paged_mla_decode_fp8_cpu(Tensor q_latent, Tensor q_pe, Tensor cache, Tensor cache_scales, "
-    "Tensor block_table, Tensor seq_lens, float scale, Tensor? starts) -> Tensor"
+    "Tensor block_table, Tensor seq_lens, float scale, Tensor? starts, int path=-1) -> Tensor"
 )
-def _(q_latent, q_pe, cache, cache_scales, block_table, seq_lens, scale, starts) -> Tensor:
+def _(q_latent, q_pe, cache, cache_scales, block_table, seq_lens, scale, starts, path=-1) -> Tensor:
     return q_latent.new_empty(q_latent.shape, dtype=torch.float32)
 
 

@@ -48,6 +48,6 @@ def paged_mla_decode_cpu(
             cast_if_needed(q_pe, torch.float32).contiguous(),
         )
         out = cpu_kernel("paged_mla_decode_fp8_cpu")(
-            *queries, cache.contiguous(), cache_scales.contiguous(), *rows, first
+            *queries, cache.contiguous(), cache_scales.contiguous(), *rows, first, kernel_isa_path()
         )
     return cast_if_needed(out, q_latent.dtype)

@@ -10,7 +10,7 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
                                    c10::optional<torch::Tensor> starts, int64_t path);
 torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                        torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
-                                       double scale, c10::optional<torch::Tensor> starts);
+                                       double scale, c10::optional<torch::Tensor> starts, int64_t path);
 torch::Tensor grouped_linear_cpu(torch::Tensor x, torch::Tensor weight, torch::Tensor offsets, bool gated,
                                  int64_t path);
 torch::Tensor per_head_linear_cpu(torch::Tensor x, torch::Tensor stack, int64_t path);
@@ -49,7 +49,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("starts") = py::none(), py::arg("path") = -1);
   m.def("paged_mla_decode_fp8_cpu", &paged_mla_decode_fp8_cpu, kRelease, "paged MLA decode over an fp8 cache",
         py::arg("q_latent"), py::arg("q_pe"), py::arg("cache"), py::arg("cache_scales"), py::arg("block_table"),
-        py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none());
+        py::arg("seq_lens"), py::arg("scale"), py::arg("starts") = py::none(), py::arg("path") = -1);
   m.def("grouped_linear_cpu", &grouped_linear_cpu, kRelease, "x @ weight[g]^T per group of rows, for few rows; gated: SiLU-gated",
         py::arg("x"), py::arg("weight"), py::arg("offsets"), py::arg("gated") = false, py::arg("path") = -1);
   m.def("per_head_linear_cpu", &per_head_linear_cpu, kRelease, "x [R, H, K] @ stack[h]^T per head h, through the AMX tiles",

@@ -16,8 +16,8 @@
 // and the weighted sum with each softmax weight rounded to bf16 (relative error <= 2^-9 per weight;
 // the running sum adds the rounded weights, so they still sum to one); where the CPU also has AMX
 // tiles, the same products run as tile multiplies (mla_decode_amx.h). Everything else widens bf16 to
-// fp32: 16-lane FMAs on an AVX-512 path (Widen16Attention, the fp32 model's decode), 8-lane ones below it
-// and for the fp8 cache (WidenAttention).
+// fp32 (an fp8 cache a block at a time): 16-lane FMAs on an AVX-512 path (Widen16Attention, the fp32
+// model's decode), 8-lane ones below it (WidenAttention).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -639,10 +639,10 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
 }
 
 // The same for an fp8 (e4m3fn) cache with cache_scales [num_blocks, block_size, 2] fp32 (c_kv, k_pe
-// scale per token): each block read is 1 byte per value, dequantized in the kernel.
+// scale per token): each block read is 1 byte per value, dequantized in the kernel; path as above.
 torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                        torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
-                                       double scale, c10::optional<torch::Tensor> starts) {
+                                       double scale, c10::optional<torch::Tensor> starts, int64_t path) {
   TORCH_CHECK(q_latent.scalar_type() == torch::kFloat32 && q_pe.scalar_type() == torch::kFloat32,
               "queries must be fp32");
   TORCH_CHECK(q_latent.is_contiguous() && q_pe.is_contiguous() && cache.is_contiguous() &&
@@ -657,7 +657,16 @@ torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_p
   TORCH_CHECK(!starts || (starts->scalar_type() == torch::kInt64 && starts->is_contiguous()),
               "starts must be contiguous int64");
   auto out = torch::empty_like(q_latent);
-  dispatch_index<WidenAttention, Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, starts ? starts->data_ptr<int64_t>() : nullptr,
-                           out, static_cast<float>(scale), cache_scales.data_ptr<float>());
+  const int64_t* first = starts ? starts->data_ptr<int64_t>() : nullptr;
+  const float s = static_cast<float>(scale);
+#ifdef MOELAUNCH_HAS_AVX512
+  if (isa::resolve(path) >= isa::kAvx512) {
+    dispatch_index<Widen16Attention, Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s,
+                                               cache_scales.data_ptr<float>());
+    return out;
+  }
+#endif
+  dispatch_index<WidenAttention, Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s,
+                                           cache_scales.data_ptr<float>());
   return out;
 }
