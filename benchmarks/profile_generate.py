@@ -26,10 +26,11 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--compile", choices=("auto", "on", "off"), default="on", help="engine.compile")
+    p.add_argument("--quantization", choices=("none", "int8", "w8a8", "int4"), default="none")
     p.add_argument("--rows", type=int, default=25, help="ops to list")
     a = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile)
+    llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile, quantization=a.quantization)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(PROMPT_LEN)] for _ in range(a.batch)]
     params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include "cpu_isa.h"
+#include "widen16.h"
 
 #ifdef MOELAUNCH_HAS_AVX512_BF16
 #include <c10/util/BFloat16.h>
@@ -25,36 +26,8 @@ inline __m512bh load_first(const c10::BFloat16* p, int64_t n) {
   return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << n) - 1), p);
 }
 
-// The lane sums of up to 16 vectors at once, [sum(v[0]), ..., sum(v[n-1]), 0...]: four levels of
-// halving adds, each shuffle shared by two vectors (30 permutes and 15 adds for 16 sums). Inlined, so
-// that a constant n folds the levels over zero vectors away and the inputs stay in registers.
-__attribute__((always_inline)) inline __m512 lane_sums(const __m512* v, int n) {
-  __m512 in[16];
-  for (int i = 0; i < 16; ++i) in[i] = i < n ? v[i] : _mm512_setzero_ps();
-  // Each level adds the two halves of every block of 2b lanes, x's blocks then y's: a vector that
-  // held s partial sums of each of its vectors holds s / 2 of twice as many.
-  auto by8 = [](__m512 x, __m512 y) {
-    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  };
-  auto by4 = [](__m512 x, __m512 y) {
-    return __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  };
-  auto by2 = [](__m512 x, __m512 y) {
-    return __builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  };
-  auto by1 = [](__m512 x, __m512 y) {
-    return __builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  };
-  __m512 halves[8], quarters[4], eighths[2];
-  for (int i = 0; i < 8; ++i) halves[i] = by8(in[2 * i], in[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) quarters[i] = by4(halves[2 * i], halves[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) eighths[i] = by2(quarters[2 * i], quarters[2 * i + 1]);
-  return by1(eighths[0], eighths[1]);
-}
+// The lane sums of up to 16 vectors (widen16.h), shared with the 16-lane widening kernels.
+using widen16::lane_sums;
 
 // out[col] = acc[where col sits] * inv for col < c_dim, acc holding each chunk of 32 columns c..c+31 as
 // two 16-lane vectors that vpunpck{l,h}wd of two bf16 rows fed: within each 128-bit lane L, vpunpcklwd
