@@ -19,6 +19,7 @@ from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.measure.random_checkpoint import write_random_checkpoint
 from moelaunch.model.attention import MLA
 from moelaunch.model.decode_heads import DecodeHeadWeights
+from moelaunch.model.moe import MoE
 
 BUNDLED = Path(__file__).resolve().parents[1] / "checkpoints" / "small"
 SAMPLED_PARAMS = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=6, ignore_eos=True, seed=3)
@@ -179,6 +180,36 @@ def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantiza
             files = python_files_run(lambda: static.step_fn(static.buffers[1], SAMPLED))
         inside = ("/moelaunch/kernels/", "/moelaunch/model/", "/torch/_library/")
         assert not {f for f in files if any(part in f for part in inside)}
+
+
+@pytest.mark.slow
+def test_module_state_is_fixed_in_a_compiled_step_until_it_is_rebuilt(v3_model):
+    """The compiled step skips dynamo's guards on the model's modules (a tenth of a millisecond a step):
+    a module attribute changed afterwards compiles nothing new, and Engine.rebuild_static_decode (what
+    an expert placement runs) brings it in: the tokens of an eager engine with the same change."""
+    from torch._dynamo.utils import counters
+
+    def scale_routed_experts(llm: LLM) -> None:  # ten times the routed experts' weight in each sum
+        for module in llm.engine.runner.model.modules():
+            if isinstance(module, MoE):
+                module.gate.scale *= 10
+
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)]
+    options = dict(kv_cache_memory=4_000_000, max_num_seqs=1)
+    with LLM(v3_model, **options) as llm:
+        before = tokens(llm, params)
+        scale_routed_experts(llm)
+        changed = tokens(llm, params)
+    assert changed != before
+    torch._dynamo.reset()
+    with LLM(v3_model, compile="on", **options) as llm:
+        assert tokens(llm, params) == before
+        graphs = counters["stats"]["unique_graphs"]
+        scale_routed_experts(llm)
+        tokens(llm, params)  # the prompt step eager (new scale), the decode steps compiled (old scale)
+        assert counters["stats"]["unique_graphs"] == graphs
+        llm.engine.rebuild_static_decode()
+        assert tokens(llm, params) == changed
 
 
 def test_a_quantized_kv_b_is_dequantized_to_the_models_dtype(v3_model):

@@ -509,8 +509,13 @@ class LLMEngine:
                 f"(rank 0 received {received / 2**20:.1f} MiB of expert weights)",
                 file=sys.stderr,
             )
+        # The static step's graphs hold the old stacks' shapes and the dispatcher's tables.
+        self.rebuild_static_decode()
+
+    def rebuild_static_decode(self) -> None:
+        """After the model's modules changed: compiled steps do not check them (static_decode.py), so
+        compilation is reset and the static step built again."""
         if self.runner.static is not None:
-            # The static step's graphs hold the old stacks' shapes and the dispatcher's tables: rebuilt.
             torch.compiler.reset()
             self.runner.static = self._static_decode()
 
