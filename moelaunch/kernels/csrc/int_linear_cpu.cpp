@@ -30,6 +30,7 @@
 #include "cpu_isa.h"
 #include "int4_tiles.h"
 #include "int_linear_amx.h"
+#include "prefetch.h"
 #include "simd.h"
 
 namespace {
@@ -42,6 +43,7 @@ namespace int_amx = moelaunch::int_amx;
 namespace int4_tiles = moelaunch::int4_tiles;
 #endif
 using moelaunch::silu_mul_row;
+using moelaunch::SpreadPrefetcher;
 
 constexpr int kWeightTile = 3;
 // Decode's one or two rows take twice the weight rows a tile: each (row, weight row) is one chain of
@@ -55,20 +57,30 @@ constexpr int64_t kChunk = 2048;
 constexpr float kCodes16 = 32767.f;
 constexpr float kCodes8 = 127.f;
 
-// Runs kern.tile<MR, NR>(g, m, n, out) over rows [m0, m1) of group g against weight rows [n, n + NR).
+// Weight rows up to this many bytes get the next tile prefetched: the hardware prefetcher follows long
+// rows by itself but falls behind NR interleaved short streams (as in grouped_linear_cpu.cpp).
+constexpr int64_t kPrefetchRowBytes = 4096;
+
+// Runs kern.tile<MR, NR>(g, m, n, out, prefetch) over rows [m0, m1) of group g against weight rows
+// [n, n + NR), while the next NR weight rows are prefetched, spread over the tiles' vector steps.
 template <int NR, class Kern>
 void rows_of(const Kern& kern, int64_t g, int64_t m0, int64_t m1, int64_t n, float* out) {
+  SpreadPrefetcher prefetch;
+  if (kern.row_bytes() <= kPrefetchRowBytes) {
+    const int64_t passes = (m1 - m0 + kRowTile - 1) / kRowTile;
+    prefetch = SpreadPrefetcher(kern.weight_rows_at(g, n + NR), NR * kern.row_bytes(), passes * kern.steps());
+  }
   int64_t m = m0;
-  for (; m + kRowTile <= m1; m += kRowTile) kern.template tile<kRowTile, NR>(g, m, n, out);
+  for (; m + kRowTile <= m1; m += kRowTile) kern.template tile<kRowTile, NR>(g, m, n, out, prefetch);
   switch (m1 - m) {
     case 3:
-      kern.template tile<3, NR>(g, m, n, out);
+      kern.template tile<3, NR>(g, m, n, out, prefetch);
       break;
     case 2:
-      kern.template tile<2, NR>(g, m, n, out);
+      kern.template tile<2, NR>(g, m, n, out, prefetch);
       break;
     case 1:
-      kern.template tile<1, NR>(g, m, n, out);
+      kern.template tile<1, NR>(g, m, n, out, prefetch);
       break;
     default:
       break;
@@ -244,8 +256,12 @@ struct Int8Kernel {
   const float* scale;  // [G, N]
   int64_t n_total, k;
 
+  const int8_t* weight_rows_at(int64_t g, int64_t n) const { return q + (g * n_total + n) * k; }
+  int64_t row_bytes() const { return k; }
+  int64_t steps() const { return k / (P == isa::kAvx512 ? 32 : 16); }  // of the vector loop below
+
   template <int MR, int NR>
-  void tile(int64_t g, int64_t m, int64_t n, float* out) const {
+  void tile(int64_t g, int64_t m, int64_t n, float* out, SpreadPrefetcher& prefetch) const {
     const int8_t* w = q + (g * n_total + n) * k;
     const int16_t* xm = x16 + m * k;
     int64_t dots[MR][NR] = {};
@@ -258,6 +274,7 @@ struct Int8Kernel {
         for (auto& row : acc)
           for (auto& a : row) a = _mm512_setzero_si512();
         for (; i + 32 <= end; i += 32) {
+          prefetch.tick();
           __m512i wv[NR];
           for (int j = 0; j < NR; ++j) {
             wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * k + i)));
@@ -280,6 +297,7 @@ struct Int8Kernel {
         for (auto& row : acc)
           for (auto& a : row) a = _mm256_setzero_si256();
         for (; i + 16 <= end; i += 16) {
+          prefetch.tick();
           __m256i wv[NR];
           for (int j = 0; j < NR; ++j) {
             wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
@@ -321,8 +339,12 @@ struct Int4Kernel {
 
   static constexpr int64_t kBlock = int4_block(P);
 
+  const uint8_t* weight_rows_at(int64_t g, int64_t n) const { return packed + (g * n_total + n) * (k / 2); }
+  int64_t row_bytes() const { return k / 2; }
+  int64_t steps() const { return k / kBlock; }
+
   template <int MR, int NR>
-  void tile(int64_t g, int64_t m, int64_t n, float* out) const {
+  void tile(int64_t g, int64_t m, int64_t n, float* out, SpreadPrefetcher& prefetch) const {
     const int64_t half = k / 2;
     const uint8_t* w = packed + (g * n_total + n) * half;
     const float* s = scale + (g * n_total + n) * ng;
@@ -352,6 +374,7 @@ struct Int4Kernel {
         for (auto& row : acc)
           for (auto& a : row) a = _mm512_setzero_si512();
         for (; c + kBlock <= c1; c += kBlock) {
+          prefetch.tick();
           __m512i lo[NR], hi[NR];
           for (int j = 0; j < NR; ++j) {
             const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * half + c / 2));
@@ -380,6 +403,7 @@ struct Int4Kernel {
         for (auto& row : acc)
           for (auto& a : row) a = _mm256_setzero_si256();
         for (; c + kBlock <= c1; c += kBlock) {
+          prefetch.tick();
           __m256i lo[NR], hi[NR];
           for (int j = 0; j < NR; ++j) {
             const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * half + c / 2));
@@ -466,8 +490,12 @@ struct W8A8Kernel {
   const float* scale;
   int64_t n_total, k;
 
+  const int8_t* weight_rows_at(int64_t g, int64_t n) const { return q + (g * n_total + n) * k; }
+  int64_t row_bytes() const { return k; }
+  int64_t steps() const { return k / (P == isa::kAvx512 ? 64 : 16); }  // of the vector loop below
+
   template <int MR, int NR>
-  void tile(int64_t g, int64_t m, int64_t n, float* out) const {
+  void tile(int64_t g, int64_t m, int64_t n, float* out, SpreadPrefetcher& prefetch) const {
     const int8_t* w = q + (g * n_total + n) * k;
     int64_t dots[MR][NR] = {};
     int64_t i = 0;
@@ -482,6 +510,7 @@ struct W8A8Kernel {
           for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_setzero_si512();
         }
         for (; i + 64 <= end; i += 64) {
+          prefetch.tick();
           __m512i wv[NR];
           for (int j = 0; j < NR; ++j) {
             wv[j] = _mm512_loadu_si512(w + j * k + i);
@@ -505,6 +534,7 @@ struct W8A8Kernel {
         for (auto& row : acc)
           for (auto& a : row) a = _mm256_setzero_si256();
         for (; i + 16 <= end; i += 16) {
+          prefetch.tick();
           __m256i wv[NR];
           for (int j = 0; j < NR; ++j) {
             wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k + i)));
