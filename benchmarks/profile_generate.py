@@ -27,10 +27,17 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--compile", choices=("auto", "on", "off"), default="on", help="engine.compile")
     p.add_argument("--quantization", choices=("none", "int8", "w8a8", "int4"), default="none")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     p.add_argument("--rows", type=int, default=25, help="ops to list")
     a = p.parse_args()
     torch.set_num_threads(1)
-    llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile, quantization=a.quantization)
+    llm = LLM(
+        model=a.model,
+        dtype=a.dtype,
+        compile=a.compile,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
+    )
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(PROMPT_LEN)] for _ in range(a.batch)]
     params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)

@@ -17,6 +17,7 @@ from moelaunch import kernels
 from moelaunch.kernels import dequantize_latent, quantize_latent
 from moelaunch.kernels import mla_decode_cpu as mla_cpu
 from moelaunch.kernels import mla_decode_reference as ref
+from moelaunch.kernels.selection import bf16_dot_products
 from moelaunch.launcher import LLM, SamplingParams
 from moelaunch.model import PagedLatentCache, SparseAttention, load_args, load_model
 from moelaunch.model.config import ModelArgs
@@ -197,24 +198,78 @@ def test_fp8_cache_decode_against_the_dequantized_and_the_unquantized_cache(deco
     assert error < 0.15
 
 
-def test_cpu_kernel_reads_every_fp8_code_exactly(isa_path):
+def _read_in_bf16(fp8_as: torch.dtype) -> bool:
+    """Whether the C++ kernel reads an fp8 cache standing in for an `fp8_as` cache in bf16 here: the
+    values its codes dequantize to rounded to bf16, and fp32 queries too (a CPU with bf16 products)."""
+    return fp8_as == torch.bfloat16 and bf16_dot_products()
+
+
+@pytest.mark.parametrize("fp8_as", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zeros", [0, 2])
+def test_cpu_kernel_reads_every_fp8_code_exactly(isa_path, zeros, fp8_as):
     """One cached token per row: attention returns its c_kv part as the kernel dequantized it (weight
     exactly 1), so every e4m3 code (subnormals, both zeros, the largest) must come out as torch reads it,
-    times the token's scale, on each instruction-set path. NaN codes are left out: a cache never holds
-    them."""
+    times the token's scale (then rounded to bf16 where it is read in bf16), on each instruction-set path.
+    NaN codes are left out: a cache never holds them. Two zeros more make the widths the AMX tiles'
+    (256 + 32): their dequantization a 16-token piece at a time, the other shape's a block at a time."""
     assert kernels.prepare_cpu_kernels()
     codes = torch.arange(256, dtype=torch.uint8)
-    codes = codes[(codes & 0x7F) != 0x7F]  # 254 codes
-    c_dim, p_dim = codes.numel(), 8
+    codes = torch.cat([codes[(codes & 0x7F) != 0x7F], torch.zeros(zeros, dtype=torch.uint8)])  # 254 codes
+    c_dim, p_dim = codes.numel(), 8 if zeros == 0 else 32
     values = torch.zeros(2, 1, c_dim + p_dim, dtype=torch.uint8)
     values[:, 0, :c_dim] = codes
     values = values.view(torch.float8_e4m3fn)
     scales = torch.tensor([[[1.0, 1.0]], [[0.375, 2.0]]])
     table, seq_lens = torch.tensor([[0], [1]], dtype=torch.int32), torch.tensor([1, 1])
     q, q_pe = torch.randn(2, 3, c_dim), torch.randn(2, 3, p_dim)
-    out = mla_cpu.paged_mla_decode_cpu(q, q_pe, values, table, seq_lens, 0.1, None, scales)
+    out = mla_cpu.paged_mla_decode_cpu(q, q_pe, values, table, seq_lens, 0.1, None, scales, fp8_as)
     expected = values[:, 0, :c_dim].float() * scales[:, 0, :1]
+    if _read_in_bf16(fp8_as):
+        expected = expected.bfloat16().float()
     assert torch.equal(out, expected[:, None].expand(2, 3, c_dim))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_cache_stands_in_for_the_cache_of_its_dtype(dtype):
+    """The cache's decode tells the kernel which float cache its fp8 values stand in for: a bf16 model's
+    are read in bf16 where the CPU multiplies bf16, an fp32 model's in fp32."""
+    assert kernels.prepare_cpu_kernels()
+    c_dim, p_dim = 64, 32
+    cache = PagedLatentCache(latent_args(c_dim, p_dim), 8, 16, dtype=dtype, fp8=True)
+    g = torch.Generator().manual_seed(6)
+    table, lens = torch.tensor([[3, 5], [1, 0]]), torch.tensor([20, 9])
+    for r, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        cache.store(0, table[r, pos // 16] * 16 + pos % 16, _latents(g, (n,), c_dim, p_dim) / 10)
+    q, q_pe = torch.randn(2, 4, c_dim, generator=g), torch.randn(2, 4, p_dim, generator=g)
+    out = cache.decode(0, q, q_pe, table, lens, 0.1)
+    kernel = [
+        mla_cpu.paged_mla_decode_cpu(q, q_pe, cache.pool[0], table, lens, 0.1, None, cache.scales[0], fp8_as)
+        for fp8_as in (torch.float32, torch.bfloat16)
+    ]
+    assert torch.equal(out, kernel[dtype == torch.bfloat16])
+    assert torch.equal(kernel[0], kernel[1]) != bf16_dot_products()  # the two readings differ there
+
+
+@pytest.mark.parametrize("fp8_as", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("c_dim", "p_dim"), [(40, 8), (64, 32)])  # (64, 32): the AMX tiles' widths
+def test_fp8_cache_reads_as_the_float_cache_it_stands_in_for(isa_path, c_dim, p_dim, fp8_as):
+    """Rows of several 16-token pieces, short ones, and start positions: on every instruction-set path
+    the fp8 kernel gives bit for bit what the same kernel gives over the float cache of the values its
+    codes dequantize to: bf16 ones where it reads them in bf16 (the tiles a piece at a time, vdpbf16ps a
+    block at a time), fp32 ones elsewhere."""
+    assert kernels.prepare_cpu_kernels()
+    g = torch.Generator().manual_seed(5)
+    lens, starts = [37, 16, 5, 70], [0, 3, 0, 21]
+    _, cache, table = _paged(g, lens, c_dim=c_dim, p_dim=p_dim, block_size=16)
+    q, q_pe = torch.randn(4, 9, c_dim, generator=g), torch.randn(4, 9, p_dim, generator=g) / 10
+    values, scales = _quantized(cache, c_dim)
+    read_as = torch.bfloat16 if _read_in_bf16(fp8_as) else torch.float32
+    read = dequantize_latent(values, scales, c_dim, read_as)
+    args = (table, torch.tensor(lens), (c_dim + p_dim) ** -0.5)
+    for first in (None, torch.tensor(starts)):
+        out = mla_cpu.paged_mla_decode_cpu(q, q_pe, values, *args, first, scales, fp8_as)
+        assert torch.equal(out, mla_cpu.paged_mla_decode_cpu(q, q_pe, read, *args, first))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -239,18 +294,27 @@ def test_decode_from_a_start_position_drops_the_earlier_tokens(decode, fp8):
 # ---- fp8 cache in the engine ----
 
 
-def test_fp8_cache_generates_close_to_the_baseline(checkpoint, baseline):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_cache_generates_close_to_the_baseline(checkpoint, baseline, dtype):
+    """Against the float cache of the model's dtype; in bf16 the kernel reads the fp8 values as bf16 ones
+    where the CPU multiplies bf16."""
+    options = dict(kv_cache_memory=4_000_000, block_size=4, dtype=dtype)
+    if dtype != "float32":
+        with LLM(checkpoint, **options) as llm:
+            baseline = tokens_of(llm, PROMPTS)
     # Free-running greedy tokens diverge for good at the first flip (a random tiny model has flat logits),
     # so agreement is also measured step by step: each of the baseline's prefixes, one token each.
     prefixes = [p + out[:i] for p, out in zip(PROMPTS, baseline, strict=True) for i in range(len(out))]
     one = SamplingParams(temperature=0, max_tokens=1)
-    with LLM(checkpoint, kv_cache_memory=4_000_000, block_size=4, kv_cache_dtype="fp8") as llm:
+    with LLM(checkpoint, kv_cache_dtype="fp8", **options) as llm:
         assert llm.engine.cache.pool.dtype == torch.float8_e4m3fn
         tokens = tokens_of(llm, PROMPTS)
         steps = [o.outputs[0].token_ids[0] for o in llm.generate(prefixes, one)]
     free = agreement(tokens, baseline)
     step = sum(t == out[i] for t, (out, i) in zip(steps, _indexed(baseline), strict=True)) / len(steps)
-    print(f"fp8 cache, tiny random model: greedy agreement {free:.3f} free-running, {step:.3f} step by step")
+    print(
+        f"fp8 cache, tiny random model, {dtype}: greedy agreement {free:.3f} free-running, {step:.3f} a step"
+    )
     assert step >= 0.8
     assert [t[:2] for t in tokens] == [t[:2] for t in baseline]
 

@@ -92,14 +92,16 @@ def paged_mla_decode(
     scale: float,
     cache_scales: Tensor | None = None,
     starts: Tensor | None = None,
+    fp8_as: torch.dtype = torch.float32,
 ) -> Tensor:
     """Paged MLA decode attention in latent space: [R, H, C] (see `mla_decode_reference`); an fp8 cache
-    comes with its scales, a sliding window with each row's first position."""
+    comes with its scales, a sliding window with each row's first position. fp8_as: the float dtype an
+    fp8 cache stands in for (the model's cache dtype): bf16 lets the CPU kernel read its values in bf16."""
     args = (q_latent, q_pe, cache, block_table, seq_lens, scale)
     if use_triton(q_latent):
         return _mla_triton().paged_mla_decode_triton(*args, cache_scales, starts)
     if paged_mla_decode_on_cpu(q_latent):
-        return mla_cpu.paged_mla_decode_cpu(*args, starts, cache_scales)
+        return mla_cpu.paged_mla_decode_cpu(*args, starts, cache_scales, fp8_as)
     return mla_ref.paged_mla_decode_ref(*args, cache_scales, starts)
 
 

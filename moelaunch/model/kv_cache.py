@@ -192,7 +192,9 @@ class PagedLatentCache:
             block_tables = block_tables.repeat_interleave(counts, dim=0)
         scales = self.scales[i] if self.scales is not None else None
         cache = self.pool[i]
-        return kernels.paged_mla_decode(q_latent, q_pe, cache, block_tables, seq_lens, scale, scales, starts)
+        return kernels.paged_mla_decode(
+            q_latent, q_pe, cache, block_tables, seq_lens, scale, scales, starts, fp8_as=self.dtype
+        )
 
     def _select_blocks(
         self,

@@ -32,6 +32,7 @@
 #include <limits>
 
 #include "amx.h"
+#include "fp8_e4m3.h"
 #include "scratch.h"
 #include "simd.h"
 
@@ -67,6 +68,38 @@ inline void pack_queries(const BF16* latent, const BF16* rope, int64_t heads, in
   amx::pack_pairs(rope, heads, p_dim, p_dim, tiles + c_dim / kSlice * kTileValues);
 }
 
+// Where a piece's 16 cached rows come from: a bf16 pool (in place; a short piece's rows copied and
+// padded with zeros, as a tile reads 16), or an fp8 one (dequantized to bf16 into `copy`, then zeros).
+// piece(): the rows of tokens offset..offset + n - 1 of block `block`, 16 rows a row's width apart.
+struct Bf16Pool {
+  const BF16* cache;
+  int64_t block_size, width;
+
+  const BF16* piece(int64_t block, int64_t offset, int64_t n, BF16* copy) const {
+    const BF16* rows = cache + (block * block_size + offset) * width;
+    if (n == kTokens) return rows;
+    std::memcpy(copy, rows, n * width * sizeof(BF16));
+    std::memset(static_cast<void*>(copy + n * width), 0, (kTokens - n) * width * sizeof(BF16));
+    return copy;
+  }
+};
+
+// An fp8 cache's piece as the bf16 values its codes stand for (fp8::dequantize_tokens): the same tile
+// products then read 1 byte a value from the pool. Widening the codes for fp32 FMAs instead ran 3-4x
+// slower than a bf16 cache (docs/benchmarks.md, issue 30).
+struct Fp8Pool {
+  const uint8_t* codes;
+  const float* scales;  // [blocks, block_size, 2]
+  int64_t block_size, width, c_dim;
+
+  const BF16* piece(int64_t block, int64_t offset, int64_t n, BF16* copy) const {
+    const int64_t token = block * block_size + offset;
+    fp8::dequantize_tokens(codes + token * width, scales + token * 2, n, width, c_dim, copy);
+    std::memset(static_cast<void*>(copy + n * width), 0, (kTokens - n) * width * sizeof(BF16));
+    return copy;
+  }
+};
+
 // The per-thread memory of decode_rows.
 struct Workspace {
   explicit Workspace(int64_t width, int64_t c_dim)
@@ -78,7 +111,7 @@ struct Workspace {
   Scratch<uint32_t> queries;
   Scratch<> acc, scores;  // acc: per 8 heads, per chunk a tile (rows 0-7 even columns, 8-15 odd)
   Scratch<uint32_t> weights;  // per piece, per 8 heads an A tile of weights beside zeros
-  Scratch<BF16> partial;      // short pieces, copied and padded with zeros
+  Scratch<BF16> partial;      // pieces copied (short ones, padded with zeros) or dequantized
   const BF16* rows[kPieces];  // each piece's 16 rows (in the pool, or its copy)
   int64_t lengths[kPieces];   // each piece's tokens
   int64_t pieces = 0;
@@ -87,22 +120,16 @@ struct Workspace {
 // Scores (scaled) of the row's next segment, from pos (up to 4 pieces), into ws.scores [piece token][head];
 // the pieces into ws.rows / ws.lengths. Returns the tokens covered. Pieces go two at a time (an odd
 // last piece is paired with itself).
-template <typename index_t>
-int64_t score_segment(Workspace& ws, const BF16* cache, const index_t* table, int64_t pos, int64_t len,
+template <class Pool, typename index_t>
+int64_t score_segment(Workspace& ws, const Pool& cache, const index_t* table, int64_t pos, int64_t len,
                       int64_t block_size, int64_t width, float scale) {
   const int64_t row_bytes = width * static_cast<int64_t>(sizeof(BF16));
   int64_t tokens = 0;
   for (ws.pieces = 0; ws.pieces < kPieces && pos < len; ++ws.pieces) {
     const int64_t offset = pos % block_size;
     const int64_t n = std::min({kTokens, block_size - offset, len - pos});
-    const BF16* rows = cache + (static_cast<int64_t>(table[pos / block_size]) * block_size + offset) * width;
-    if (n < kTokens) {  // a tile reads 16 rows: a short piece's are copied, then zeros
-      BF16* copy = ws.partial.data() + ws.pieces * kTokens * width;
-      std::memcpy(copy, rows, n * row_bytes);
-      std::memset(copy + n * width, 0, (kTokens - n) * row_bytes);
-      rows = copy;
-    }
-    ws.rows[ws.pieces] = rows;
+    ws.rows[ws.pieces] = cache.piece(static_cast<int64_t>(table[pos / block_size]), offset, n,
+                                     ws.partial.data() + ws.pieces * kTokens * width);
     ws.lengths[ws.pieces] = n;
     pos += n;
     tokens += n;
@@ -255,8 +282,9 @@ inline void rescale(Workspace& ws, int64_t halves, int64_t c_dim, vec16 correcti
   }
 }
 
-template <typename index_t>
-void decode_rows(const BF16* q_latent, const BF16* q_pe, const BF16* cache, const index_t* block_table,
+// cache: a Bf16Pool or an Fp8Pool.
+template <class Pool, typename index_t>
+void decode_rows(const BF16* q_latent, const BF16* q_pe, const Pool& cache, const index_t* block_table,
                  const int64_t* seq_lens, const int64_t* starts, float* out, int64_t rows, int64_t heads,
                  int64_t c_dim, int64_t p_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t width = c_dim + p_dim;

@@ -35,6 +35,7 @@
 
 #include "bf16_dot.h"
 #include "cpu_isa.h"
+#include "fp8_e4m3.h"
 #include "mla_decode_amx.h"
 #include "prefetch.h"
 #include "scratch.h"
@@ -55,6 +56,7 @@ using moelaunch::store8;
 using moelaunch::to_float;
 using moelaunch::vec8;
 namespace isa = moelaunch::isa;
+namespace fp8 = moelaunch::fp8;
 
 // Heads that share one pass over a row's tokens: each block is loaded once for all of them.
 constexpr int64_t kHeadsPerTask = 16;
@@ -138,57 +140,10 @@ inline void weighted_sum(const float* probs, int64_t stride, const cache_t* toke
   }
 }
 
-// An fp8 (e4m3fn) cache: bytes, dequantized a block at a time into fp32 scratch (below).
+// An fp8 (e4m3fn) cache: bytes, dequantized a block at a time into scratch of the queries' type (below).
 struct Fp8Cache {
   uint8_t bits;
 };
-
-// e4m3fn -> fp32 without a table: a normal number moves its exponent and mantissa bits into place and
-// re-biases (7 -> 127), a subnormal (exponent 0) is its mantissa times 2^-9. NaN (0x7f) reads as 480:
-// a cache never holds NaN, its values are quantized from finite latents.
-inline float fp8_e4m3_to_float(uint8_t b) {
-  const uint32_t magnitude = b & 0x7fu;
-  const uint32_t normal_bits = (magnitude << 20) + (120u << 23);
-  float normal;
-  std::memcpy(&normal, &normal_bits, sizeof normal);
-  const float value = magnitude >= 8 ? normal : static_cast<float>(magnitude) * 0x1p-9f;
-  return b & 0x80 ? -value : value;
-}
-
-#ifdef __AVX2__
-// Eight codes at once, the same arithmetic: a scalar loop (its select and sign branch) cost 20 times
-// this, and more than the attention over the block.
-inline __m256 fp8_e4m3x8_to_float(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
-  const __m256 normal =
-      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f));
-  const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(7)));
-  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24));
-  return _mm256_or_ps(_mm256_blendv_ps(subnormal, normal, is_normal), sign);
-}
-#endif
-
-// n fp8 tokens of `width` values -> fp32, the first c_dim values of token t times scales[2t] and the
-// rest times scales[2t + 1] (see kernels/kv_fp8.py).
-void dequantize_fp8_tokens(const Fp8Cache* tokens, const float* scales, int64_t n, int64_t width, int64_t c_dim,
-                           float* out) {
-  const auto* bytes = reinterpret_cast<const uint8_t*>(tokens);
-  for (int64_t t = 0; t < n; ++t) {
-    const uint8_t* in = bytes + t * width;
-    float* row = out + t * width;
-    int64_t i = 0;
-    for (int part = 0; part < 2; ++part) {
-      const int64_t end = part == 0 ? c_dim : width;
-      const float s = scales[2 * t + part];
-#ifdef __AVX2__
-      for (; i + 8 <= end; i += 8) _mm256_storeu_ps(row + i, _mm256_mul_ps(fp8_e4m3x8_to_float(in + i), _mm256_set1_ps(s)));
-#endif
-      for (; i < end; ++i) row[i] = fp8_e4m3_to_float(in[i]) * s;
-    }
-  }
-}
 
 // The widening path: fp32 queries; fp32, bf16 or (dequantized) fp8 tokens widened to fp32; 8-lane FMAs.
 struct WidenAttention {
@@ -443,7 +398,7 @@ void decode_rows(const typename Attn::q_t* q_latent, const typename Attn::q_t* q
     Scratch<typename Attn::q_t> q(padded * width);
     Scratch<> acc(padded * acc_w), probs(padded * block_size);
     constexpr bool kFp8 = std::is_same_v<cache_t, Fp8Cache>;
-    Scratch<> dequantized(kFp8 ? block_size * width : 0);
+    Scratch<typename Attn::q_t> dequantized(kFp8 ? block_size * width : 0);  // in the queries' type
     std::vector<float> running_max(padded), running_sum(padded);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / head_groups;
@@ -466,12 +421,14 @@ void decode_rows(const typename Attn::q_t* q_latent, const typename Attn::q_t* q
         const int64_t n = std::min(block_size, len - start) - skip;
         const int64_t block_id = static_cast<int64_t>(block_table[r * max_blocks + start / block_size]);
         const cache_t* stored = cache + (block_id * block_size + skip) * width;
-        // An fp8 block is dequantized once per task (for all its heads), then read like an fp32 one.
+        // An fp8 block is dequantized once per task (for all its heads), then read like an fp32 or a
+        // bf16 one.
         const auto* block = [&] {
           if constexpr (kFp8) {
-            dequantize_fp8_tokens(stored, cache_scales + (block_id * block_size + skip) * 2, n, width, c_dim,
-                                  dequantized.data());
-            return static_cast<const float*>(dequantized.data());
+            const float* token_scales = cache_scales + (block_id * block_size + skip) * 2;
+            fp8::dequantize_tokens(reinterpret_cast<const uint8_t*>(stored), token_scales, n, width, c_dim,
+                                   dequantized.data());
+            return static_cast<const typename Attn::q_t*>(dequantized.data());
           } else {
             return stored;
           }
@@ -562,6 +519,27 @@ void dispatch_index(const torch::Tensor& q_latent, const torch::Tensor& q_pe, co
   }
 }
 
+#ifdef MOELAUNCH_HAS_AMX
+// The AMX tiles (mla_decode_amx.h) over bf16 queries, the cached rows read through `pool`.
+template <class Pool>
+void amx_decode(const torch::Tensor& q_latent, const torch::Tensor& q_pe, const Pool& pool,
+                const torch::Tensor& block_table, const torch::Tensor& seq_lens, const int64_t* first,
+                torch::Tensor& out, int64_t block_size, float s) {
+  ++isa::amx_calls();
+  auto run = [&](const auto* table) {
+    moelaunch::mla_amx::decode_rows(reinterpret_cast<const c10::BFloat16*>(q_latent.data_ptr()),
+                                    reinterpret_cast<const c10::BFloat16*>(q_pe.data_ptr()), pool, table,
+                                    seq_lens.data_ptr<int64_t>(), first, out.data_ptr<float>(), q_latent.size(0),
+                                    q_latent.size(1), q_latent.size(2), q_pe.size(2), block_size, block_table.size(1), s);
+  };
+  if (block_table.scalar_type() == torch::kInt32) {
+    run(block_table.data_ptr<int32_t>());
+  } else {
+    run(block_table.data_ptr<int64_t>());
+  }
+}
+#endif
+
 }  // namespace
 
 // q_latent [R, H, C] and q_pe [R, H, P] fp32 or bf16 (both alike); cache [num_blocks, block_size, C + P]
@@ -593,20 +571,9 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
 #ifdef MOELAUNCH_HAS_AMX
   const int64_t c_dim = q_latent.size(2);
   if (bf16_dot && resolved == isa::kAmx && moelaunch::mla_amx::fits(c_dim + q_pe.size(2), c_dim)) {
-    ++isa::amx_calls();
-    auto run = [&](const auto* table) {
-      moelaunch::mla_amx::decode_rows(
-          reinterpret_cast<const c10::BFloat16*>(q_latent.data_ptr()),
-          reinterpret_cast<const c10::BFloat16*>(q_pe.data_ptr()),
-          reinterpret_cast<const c10::BFloat16*>(cache.data_ptr()), table, seq_lens.data_ptr<int64_t>(), first,
-          out.data_ptr<float>(), q_latent.size(0), q_latent.size(1), c_dim, q_pe.size(2), cache.size(1),
-          block_table.size(1), s);
-    };
-    if (block_table.scalar_type() == torch::kInt32) {
-      run(block_table.data_ptr<int32_t>());
-    } else {
-      run(block_table.data_ptr<int64_t>());
-    }
+    const moelaunch::mla_amx::Bf16Pool pool{reinterpret_cast<const c10::BFloat16*>(cache.data_ptr()), cache.size(1),
+                                            cache.size(2)};
+    amx_decode(q_latent, q_pe, pool, block_table, seq_lens, first, out, cache.size(1), s);
     return out;
   }
 #endif
@@ -638,13 +605,18 @@ torch::Tensor paged_mla_decode_cpu(torch::Tensor q_latent, torch::Tensor q_pe, t
   return out;
 }
 
+
 // The same for an fp8 (e4m3fn) cache with cache_scales [num_blocks, block_size, 2] fp32 (c_kv, k_pe
-// scale per token): each block read is 1 byte per value, dequantized in the kernel; path as above.
+// scale per token): each block read is 1 byte per value, dequantized in the kernel; path as above. bf16
+// queries on a path with bf16 dot products read its values dequantized to bf16, by the AMX tiles a
+// 16-token piece at a time (where the widths fit them) or by vdpbf16ps a block at a time; other bf16
+// queries are widened. Returns fp32.
 torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_pe, torch::Tensor cache,
                                        torch::Tensor cache_scales, torch::Tensor block_table, torch::Tensor seq_lens,
                                        double scale, c10::optional<torch::Tensor> starts, int64_t path) {
-  TORCH_CHECK(q_latent.scalar_type() == torch::kFloat32 && q_pe.scalar_type() == torch::kFloat32,
-              "queries must be fp32");
+  const auto q_dtype = q_latent.scalar_type();
+  TORCH_CHECK((q_dtype == torch::kFloat32 || q_dtype == torch::kBFloat16) && q_pe.scalar_type() == q_dtype,
+              "queries must be both fp32 or both bf16");
   TORCH_CHECK(q_latent.is_contiguous() && q_pe.is_contiguous() && cache.is_contiguous() &&
                   cache_scales.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "inputs must be contiguous");
@@ -656,11 +628,32 @@ torch::Tensor paged_mla_decode_fp8_cpu(torch::Tensor q_latent, torch::Tensor q_p
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64, "seq_lens must be int64");
   TORCH_CHECK(!starts || (starts->scalar_type() == torch::kInt64 && starts->is_contiguous()),
               "starts must be contiguous int64");
-  auto out = torch::empty_like(q_latent);
   const int64_t* first = starts ? starts->data_ptr<int64_t>() : nullptr;
   const float s = static_cast<float>(scale);
+  const isa::Path resolved = isa::resolve(path);
+#ifdef MOELAUNCH_HAS_AVX512_BF16
+  if (q_dtype == torch::kBFloat16 && resolved >= isa::kAvx512Bf16) {
+    auto out = torch::empty(q_latent.sizes(), q_latent.options().dtype(torch::kFloat32));
+#ifdef MOELAUNCH_HAS_AMX
+    const int64_t c_dim = q_latent.size(2);
+    if (resolved == isa::kAmx && moelaunch::mla_amx::fits(c_dim + q_pe.size(2), c_dim)) {
+      const moelaunch::mla_amx::Fp8Pool pool{reinterpret_cast<const uint8_t*>(cache.data_ptr()),
+                                             cache_scales.data_ptr<float>(), cache.size(1), cache.size(2), c_dim};
+      amx_decode(q_latent, q_pe, pool, block_table, seq_lens, first, out, cache.size(1), s);
+      return out;
+    }
+#endif
+    ++isa::bf16_dot_calls();
+    dispatch_index<Bf16Attention, Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s,
+                                            cache_scales.data_ptr<float>());
+    return out;
+  }
+#endif
+  q_latent = q_latent.to(torch::kFloat32);
+  q_pe = q_pe.to(torch::kFloat32);
+  auto out = torch::empty_like(q_latent);
 #ifdef MOELAUNCH_HAS_AVX512
-  if (isa::resolve(path) >= isa::kAvx512) {
+  if (resolved >= isa::kAvx512) {
     dispatch_index<Widen16Attention, Fp8Cache>(q_latent, q_pe, cache, block_table, seq_lens, first, out, s,
                                                cache_scales.data_ptr<float>());
     return out;

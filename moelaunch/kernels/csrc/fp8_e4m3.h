@@ -1,0 +1,99 @@
+// The FP8 (e4m3fn) latent cache's codes read back: fp32 or bf16 values, each token's two parts times
+// their scales (kernels/kv_fp8.py), for the decode kernels that read an fp8 cache a block or a piece at
+// a time (mla_decode_cpu.cpp, mla_decode_amx.h).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_isa.h"
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace moelaunch::fp8 {
+
+// e4m3fn -> fp32 without a table: a normal number moves its exponent and mantissa bits into place and
+// re-biases (7 -> 127), a subnormal (exponent 0) is its mantissa times 2^-9. NaN (0x7f) reads as 480:
+// a cache never holds NaN, its values are quantized from finite latents.
+inline float to_float(uint8_t b) {
+  const uint32_t magnitude = b & 0x7fu;
+  const uint32_t normal_bits = (magnitude << 20) + (120u << 23);
+  float normal;
+  std::memcpy(&normal, &normal_bits, sizeof normal);
+  const float value = magnitude >= 8 ? normal : static_cast<float>(magnitude) * 0x1p-9f;
+  return b & 0x80 ? -value : value;
+}
+
+#ifdef __AVX2__
+// Eight codes at once, the same arithmetic: a scalar loop (its select and sign branch) cost 20 times
+// this, and more than the attention over the block.
+inline __m256 to_float8(const uint8_t* p) {
+  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
+  const __m256 normal =
+      _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(0x1p-9f));
+  const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(7)));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24));
+  return _mm256_or_ps(_mm256_blendv_ps(subnormal, normal, is_normal), sign);
+}
+#endif
+
+#ifdef MOELAUNCH_HAS_AVX512_BF16
+// Sixteen codes times s, rounded to bf16 (to nearest even), the same arithmetic at 16 lanes.
+inline __m256i to_bf16x16(const uint8_t* p, float s) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+  const __m512 normal =
+      _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f));
+  const __mmask16 is_normal = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(7));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  const __m512 value = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(_mm512_mask_blend_ps(is_normal, subnormal, normal)), sign));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(value, _mm512_set1_ps(s)));
+}
+#endif
+
+// n tokens of `width` codes -> out [n, width], the first c_dim values of token t times scales[2t] and
+// the rest times scales[2t + 1], in fp32.
+inline void dequantize_tokens(const uint8_t* codes, const float* scales, int64_t n, int64_t width, int64_t c_dim,
+                              float* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* in = codes + t * width;
+    float* row = out + t * width;
+    int64_t i = 0;
+    for (int part = 0; part < 2; ++part) {
+      const int64_t end = part == 0 ? c_dim : width;
+      const float s = scales[2 * t + part];
+#ifdef __AVX2__
+      for (; i + 8 <= end; i += 8) _mm256_storeu_ps(row + i, _mm256_mul_ps(to_float8(in + i), _mm256_set1_ps(s)));
+#endif
+      for (; i < end; ++i) row[i] = to_float(in[i]) * s;
+    }
+  }
+}
+
+// The same in bf16: each fp32 product rounded once (kv_fp8.dequantize_latent(..., torch.bfloat16)).
+inline void dequantize_tokens(const uint8_t* codes, const float* scales, int64_t n, int64_t width, int64_t c_dim,
+                              c10::BFloat16* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    const uint8_t* in = codes + t * width;
+    c10::BFloat16* row = out + t * width;
+    int64_t i = 0;
+    for (int part = 0; part < 2; ++part) {
+      const int64_t end = part == 0 ? c_dim : width;
+      const float s = scales[2 * t + part];
+#ifdef MOELAUNCH_HAS_AVX512_BF16
+      for (; i + 16 <= end; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i), to_bf16x16(in + i, s));
+#endif
+      for (; i < end; ++i) row[i] = c10::BFloat16(to_float(in[i]) * s);
+    }
+  }
+}
+
+}  // namespace moelaunch::fp8
