@@ -1,4 +1,5 @@
-// Paged MLA decode through the AMX tiles: bf16 queries over a bf16 cache (the Amx path, cpu_isa.h).
+// Paged MLA decode through the AMX tiles: bf16 queries over a bf16 cache, or over an fp8 one read as the
+// bf16 values its codes stand for (the Amx path, cpu_isa.h).
 //
 // Same contract as paged_mla_decode_cpu and the numerics of its vdpbf16ps path (fp32 sums of bf16
 // products, each softmax weight rounded to bf16 and the running sum adding the rounded weights), with
