@@ -43,9 +43,9 @@ inline __m256 to_float8(const uint8_t* p) {
 }
 #endif
 
-#ifdef MOELAUNCH_HAS_AVX512_BF16
-// Sixteen codes times s, rounded to bf16 (to nearest even), the same arithmetic at 16 lanes.
-inline __m256i to_bf16x16(const uint8_t* p, float s) {
+#ifdef MOELAUNCH_HAS_AVX512
+// Sixteen codes at once, the same arithmetic at 16 lanes.
+inline __m512 to_float16(const uint8_t* p) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
   const __m512 normal =
@@ -53,9 +53,8 @@ inline __m256i to_bf16x16(const uint8_t* p, float s) {
   const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(0x1p-9f));
   const __mmask16 is_normal = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(7));
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-  const __m512 value = _mm512_castsi512_ps(
+  return _mm512_castsi512_ps(
       _mm512_or_si512(_mm512_castps_si512(_mm512_mask_blend_ps(is_normal, subnormal, normal)), sign));
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(value, _mm512_set1_ps(s)));
 }
 #endif
 
@@ -70,6 +69,9 @@ inline void dequantize_tokens(const uint8_t* codes, const float* scales, int64_t
     for (int part = 0; part < 2; ++part) {
       const int64_t end = part == 0 ? c_dim : width;
       const float s = scales[2 * t + part];
+#ifdef MOELAUNCH_HAS_AVX512
+      for (; i + 16 <= end; i += 16) _mm512_storeu_ps(row + i, _mm512_mul_ps(to_float16(in + i), _mm512_set1_ps(s)));
+#endif
 #ifdef __AVX2__
       for (; i + 8 <= end; i += 8) _mm256_storeu_ps(row + i, _mm256_mul_ps(to_float8(in + i), _mm256_set1_ps(s)));
 #endif
@@ -89,7 +91,10 @@ inline void dequantize_tokens(const uint8_t* codes, const float* scales, int64_t
       const int64_t end = part == 0 ? c_dim : width;
       const float s = scales[2 * t + part];
 #ifdef MOELAUNCH_HAS_AVX512_BF16
-      for (; i + 16 <= end; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i), to_bf16x16(in + i, s));
+      for (; i + 16 <= end; i += 16) {
+        const __m512 v = _mm512_mul_ps(to_float16(in + i), _mm512_set1_ps(s));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + i), (__m256i)_mm512_cvtneps_pbh(v));
+      }
 #endif
       for (; i < end; ++i) row[i] = c10::BFloat16(to_float(in[i]) * s);
     }
