@@ -44,7 +44,8 @@ inline __m256 to_float8(const uint8_t* p) {
 #endif
 
 #ifdef MOELAUNCH_HAS_AVX512
-// Sixteen codes at once, the same arithmetic at 16 lanes.
+// Sixteen codes at once, the same arithmetic at 16 lanes. (One template over GCC vector extensions for
+// both widths compiled to scalar code here: the fp8 decode 3-5x slower.)
 inline __m512 to_float16(const uint8_t* p) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i magnitude = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
