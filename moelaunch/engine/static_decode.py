@@ -111,7 +111,7 @@ class StaticDecode:
             # The model's modules do not change under a compiled step: what changes them (an expert
             # placement) resets compilation and builds a new StaticDecode (Engine.rebuild_static_decode).
             # So the step's guards skip them: ~700 checks of module attributes, 0.05-0.1 ms a step
-            # (batch 1 bf16 on the bench model +7-8%, docs/benchmarks.md, issue 30).
+            # (batch 1 bf16 on the bench model +3-8%, docs/benchmarks.md, issue 30).
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
             self.step_fn = torch.compile(self.forward, fullgraph=True, dynamic=False, options=options)
         # Set by CUDA graph capture: replay(bucket, variant) for the CAPTURED variants.
