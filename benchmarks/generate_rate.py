@@ -34,9 +34,11 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     llm = LLM(model=a.model, dtype=a.dtype, compile=a.compile, quantization=a.quantization)
+    vocab = llm.engine.model.args.vocab_size  # the bundled model has 103 token ids
+    low, high = min(100, vocab // 2), min(1000, vocab)
     rng = random.Random(0)
     for batch in map(int, a.batch_sizes.split(",")):
-        prompts = [[rng.randrange(100, 1000) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+        prompts = [[rng.randrange(low, high) for _ in range(PROMPT_LEN)] for _ in range(batch)]
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
         times = []

@@ -38,8 +38,10 @@ def main() -> None:
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
     )
+    vocab = llm.engine.model.args.vocab_size  # the bundled model has 103 token ids
+    low, high = min(100, vocab // 2), min(1000, vocab)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 1000) for _ in range(PROMPT_LEN)] for _ in range(a.batch)]
+    prompts = [[rng.randrange(low, high) for _ in range(PROMPT_LEN)] for _ in range(a.batch)]
     params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
     llm.generate(prompts, params)
     start = time.perf_counter()

@@ -144,18 +144,27 @@ def mixed_params(lengths: list[int]) -> list[SamplingParams]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantization):
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"),
+    [("none", "auto"), ("int8", "auto"), ("int4", "auto"), ("none", "fp8")],
+)
+def test_compiled_step_three_buckets_no_recompile_same_tokens(v3_model, quantization, kv_cache_dtype):
     """fullgraph=True raises on any graph break; one graph per bucket, none added by later steps. The
     compiled step samples inside itself and gives the eager engine's tokens; the same seeds twice give
     the same tokens. Integer weights too: their C++ kernels trace as custom ops, their experts with device
-    offsets."""
+    offsets; and the FP8 cache, whose quantizing store writes the pool in place from the graph."""
     from torch._dynamo.utils import counters
 
     # 64 requests: 61 stop after 3 tokens, 2 after 5, 1 after 7: decode batches 64, 64, 3, 3, 1, 1. The
     # last three sample (top-k, top-p, min-p), so every step is the SAMPLED variant.
     params = mixed_params([3] * 61 + [5, 5, 7])
-    options = dict(kv_cache_memory=16_000_000, block_size=8, max_num_seqs=64, quantization=quantization)
+    options = dict(
+        kv_cache_memory=16_000_000,
+        block_size=8,
+        max_num_seqs=64,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     with LLM(v3_model, **options) as llm:
         expected = tokens(llm, params)
     torch._dynamo.reset()

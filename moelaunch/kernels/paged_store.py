@@ -1,4 +1,5 @@
-"""Writing tokens' rows into one layer of a paged cache pool, as a custom op that mutates the pool.
+"""Writing tokens' rows into one layer of a paged cache pool, as a custom op that mutates the pool; and
+the FP8 latent cache's quantizing write (`store_fp8_latent`).
 
 As plain `pool[layer].view(-1, W).index_copy_(...)` inside a compiled step, the write to a view of a
 graph input is functionalized into a copy of the whole layer's pool, twice per layer; as an op that
@@ -11,7 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from moelaunch.kernels.cpu_ops import traced
+from moelaunch.kernels.cpu_ops import cpu_kernel, traced
+from moelaunch.kernels.kv_fp8 import quantize_latent
+from moelaunch.kernels.selection import fp8_store_on_cpu
 
 
 def _store(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
@@ -37,3 +40,17 @@ def store_rows(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
     """pool [layers, blocks, block_size, W]: rows [N, W] (pool's dtype) into layer `layer` at flat slots
     (block * block_size + offset)."""
     (torch.ops.moelaunch.store_rows if traced() else _store)(pool, layer, slots, rows)
+
+
+def store_fp8_latent(
+    pool: Tensor, scales: Tensor, layer: int, slots: Tensor, latent: Tensor, c_dim: int
+) -> None:
+    """latent [N, C + P] quantized (`kv_fp8.quantize_latent`: c_dim splits the parts) into layer `layer`
+    of an fp8 pool at flat slots, each token's two scales into `scales` [layers, blocks, block_size, 2]:
+    in one C++ call on the CPU, else in torch."""
+    if fp8_store_on_cpu(latent):
+        cpu_kernel("store_fp8_latent_cpu")(pool, scales, layer, slots, latent, c_dim)
+        return
+    values, token_scales = quantize_latent(latent, c_dim)
+    store_rows(pool, layer, slots, values)
+    store_rows(scales, layer, slots, token_scales)

@@ -141,6 +141,11 @@ def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     return prepare_cpu_kernels()
 
 
+def fp8_store_on_cpu(latent: Tensor) -> bool:
+    """Whether the FP8 cache's quantizing store takes latent rows: fp32 or bf16 on the CPU, kernels built."""
+    return not latent.is_cuda and latent.dtype in (torch.float32, torch.bfloat16) and prepare_cpu_kernels()
+
+
 def row_reductions_on_cpu(x: Tensor) -> bool:
     """Whether a step's logits [R, V] take the row-reduction kernel: fp32 rows with a unit stride."""
     return x.dim() == 2 and x.shape[-1] > 0 and x.stride(-1) == 1 and _cpu_kernel_takes(x)

@@ -114,9 +114,7 @@ class PagedLatentCache:
         if self.scales is None:
             kernels.store_rows(self.pool, i, slots, latent.to(self.pool.dtype))
         else:
-            values, scales = kernels.quantize_latent(latent, self.kv_rank)
-            kernels.store_rows(self.pool, i, slots, values)
-            kernels.store_rows(self.scales, i, slots, scales)
+            kernels.store_fp8_latent(self.pool, self.scales, i, slots, latent, self.kv_rank)
         if self.block_means is not None:
             # A block is full once its last slot is written (slots fill in order; a rejected speculative
             # token is rewritten before any later slot, so the mean is taken over the final values).

@@ -39,6 +39,8 @@ std::vector<torch::Tensor> moe_gate_cpu(torch::Tensor x, torch::Tensor weight, c
                                         bool normalize, double scale);
 std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids, int64_t n_experts);
 std::vector<torch::Tensor> argmax_rows_cpu(torch::Tensor logits);
+void store_fp8_latent_cpu(torch::Tensor pool, torch::Tensor scales, int64_t layer, torch::Tensor slots,
+                          torch::Tensor latent, int64_t c_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL (their arguments are converted before, their results after): a
@@ -81,6 +83,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_gate_cpu", &moe_gate_cpu, kRelease, "the router's GEMM, then moe_route_cpu");
   m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, kRelease, "(token, expert) pairs sorted by expert, their rows gathered");
   m.def("argmax_rows_cpu", &argmax_rows_cpu, kRelease, "each row's first maximum (or first NaN) and whether it is finite");
+  m.def("store_fp8_latent_cpu", &store_fp8_latent_cpu, kRelease,
+        "in place: latent rows quantized to e4m3, a scale per part, into one layer of an fp8 paged pool");
 }
 
 namespace {
@@ -136,5 +140,6 @@ TORCH_LIBRARY_IMPL(moelaunch, CPU, m) {
   m.impl("int4_linear_cpu", &int4_linear_cpu);
   m.impl("w8a8_linear_cpu", &w8a8_linear_cpu);
   m.impl("store_rows", &store_rows_cpu);
+  m.impl("store_fp8_latent_cpu", &store_fp8_latent_cpu);
   m.impl("argmax_rows_cpu", [](torch::Tensor logits) { return as_pair(argmax_rows_cpu(logits)); });
 }
