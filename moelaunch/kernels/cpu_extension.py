@@ -30,7 +30,7 @@ SOURCES = [
     "int_linear_cpu.cpp",
     "moe_route_cpu.cpp",
     "rows_cpu.cpp",
-    "kv_fp8_store_cpu.cpp",
+    "paged_store_cpu.cpp",
 ]
 # The longest a build of another process is waited for (builds take 1-3 minutes).
 BUILD_WAIT_S = 900.0

@@ -4,7 +4,7 @@ the FP8 latent cache's quantizing write (`store_fp8_latent`).
 As plain `pool[layer].view(-1, W).index_copy_(...)` inside a compiled step, the write to a view of a
 graph input is functionalized into a copy of the whole layer's pool, twice per layer; as an op that
 declares the pool mutated, the compiled step writes in place. Eager calls outside a trace skip the
-op's dispatch, as `cpu_ops.cpu_kernel` does.
+op's dispatch, as `cpu_ops.cpu_kernel` does (on the CPU they call the C++ store directly).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from moelaunch.kernels.cpu_ops import cpu_kernel, traced
 from moelaunch.kernels.kv_fp8 import quantize_latent
-from moelaunch.kernels.selection import fp8_store_on_cpu
+from moelaunch.kernels.selection import cache_store_on_cpu
 
 
 def _store(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
@@ -39,7 +39,12 @@ def _(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
 def store_rows(pool: Tensor, layer: int, slots: Tensor, rows: Tensor) -> None:
     """pool [layers, blocks, block_size, W]: rows [N, W] (pool's dtype) into layer `layer` at flat slots
     (block * block_size + offset)."""
-    (torch.ops.moelaunch.store_rows if traced() else _store)(pool, layer, slots, rows)
+    if traced():
+        torch.ops.moelaunch.store_rows(pool, layer, slots, rows)
+    elif cache_store_on_cpu(pool):
+        cpu_kernel("store_rows_cpu")(pool, layer, slots, rows)
+    else:
+        _store(pool, layer, slots, rows)
 
 
 def store_fp8_latent(
@@ -48,7 +53,7 @@ def store_fp8_latent(
     """latent [N, C + P] quantized (`kv_fp8.quantize_latent`: c_dim splits the parts) into layer `layer`
     of an fp8 pool at flat slots, each token's two scales into `scales` [layers, blocks, block_size, 2]:
     in one C++ call on the CPU, else in torch."""
-    if fp8_store_on_cpu(latent):
+    if cache_store_on_cpu(pool):
         cpu_kernel("store_fp8_latent_cpu")(pool, scales, layer, slots, latent, c_dim)
         return
     values, token_scales = quantize_latent(latent, c_dim)

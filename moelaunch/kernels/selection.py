@@ -141,9 +141,9 @@ def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
     return prepare_cpu_kernels()
 
 
-def fp8_store_on_cpu(latent: Tensor) -> bool:
-    """Whether the FP8 cache's quantizing store takes latent rows: fp32 or bf16 on the CPU, kernels built."""
-    return not latent.is_cuda and latent.dtype in (torch.float32, torch.bfloat16) and prepare_cpu_kernels()
+def cache_store_on_cpu(pool: Tensor) -> bool:
+    """Whether the C++ stores write into a paged cache pool: one in CPU memory, the kernels built."""
+    return pool.device.type == "cpu" and prepare_cpu_kernels()
 
 
 def row_reductions_on_cpu(x: Tensor) -> bool:

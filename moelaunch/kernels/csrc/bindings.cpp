@@ -41,6 +41,7 @@ std::vector<torch::Tensor> moe_sort_rows_cpu(torch::Tensor x, torch::Tensor ids,
 std::vector<torch::Tensor> argmax_rows_cpu(torch::Tensor logits);
 void store_fp8_latent_cpu(torch::Tensor pool, torch::Tensor scales, int64_t layer, torch::Tensor slots,
                           torch::Tensor latent, int64_t c_dim);
+void store_rows_cpu(torch::Tensor pool, int64_t layer, torch::Tensor slots, torch::Tensor rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL (their arguments are converted before, their results after): a
@@ -83,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_gate_cpu", &moe_gate_cpu, kRelease, "the router's GEMM, then moe_route_cpu");
   m.def("moe_sort_rows_cpu", &moe_sort_rows_cpu, kRelease, "(token, expert) pairs sorted by expert, their rows gathered");
   m.def("argmax_rows_cpu", &argmax_rows_cpu, kRelease, "each row's first maximum (or first NaN) and whether it is finite");
+  m.def("store_rows_cpu", &store_rows_cpu, kRelease, "in place: rows into one layer of a paged pool at flat slots");
   m.def("store_fp8_latent_cpu", &store_fp8_latent_cpu, kRelease,
         "in place: latent rows quantized to e4m3, a scale per part, into one layer of an fp8 paged pool");
 }
@@ -90,17 +92,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 namespace {
 
 std::tuple<torch::Tensor, torch::Tensor> as_pair(const std::vector<torch::Tensor>& v) { return {v[0], v[1]}; }
-
-// kernels/paged_store.py's write of rows into one layer of a paged pool, for compiled CPU steps: there its
-// Python implementation would be the one Python call left between the graph's ops.
-void store_rows_cpu(torch::Tensor pool, int64_t layer, torch::Tensor slots, torch::Tensor rows) {
-  auto flat = pool.select(0, layer).view({-1, pool.size(-1)});
-  if (flat.element_size() == 1) {  // fp8: index_copy_ has no fp8 kernel; the bytes are the same as uint8
-    flat = flat.view(torch::kUInt8);
-    rows = rows.view(torch::kUInt8);
-  }
-  flat.index_copy_(0, slots, rows);
-}
 
 }  // namespace
 

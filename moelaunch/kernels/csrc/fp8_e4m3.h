@@ -1,5 +1,5 @@
 // The FP8 (e4m3fn) latent cache's codes: written from fp32 values as torch rounds them (the quantizing
-// store, kv_fp8_store_cpu.cpp), and read back as fp32 or bf16 values, each token's two parts times their
+// store, paged_store_cpu.cpp), and read back as fp32 or bf16 values, each token's two parts times their
 // scales (kernels/kv_fp8.py), by the decode kernels that read an fp8 cache a block or a piece at a time
 // (mla_decode_cpu.cpp, mla_decode_amx.h).
 #pragma once

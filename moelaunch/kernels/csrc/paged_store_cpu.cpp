@@ -1,15 +1,19 @@
-// The FP8 latent cache's quantizing store: tokens' latent rows [N, C + P] (fp32 or bf16) written into one
-// layer of an e4m3fn paged pool at flat slots, each token's c_kv part (the first C values) and k_pe part
-// with a scale of its own (amax / 448, 1 for a part of zeros) written beside it. Bit for bit what
-// kernels/kv_fp8.quantize_latent and two row stores give for finite latents (the same division, the same
-// rounding: fp8_e4m3.h). In torch that was a dozen ops and two index copies per layer and step, which
-// left an eager step with an fp8 cache ~15% slower than one with a float cache on a small model.
+// Writing tokens' rows into one layer of a paged cache pool (kernels/paged_store.py) at flat slots
+// (block * block_size + offset):
+// - store_rows_cpu: rows already in the pool's dtype, one row copy a slot;
+// - store_fp8_latent_cpu, the FP8 latent cache's quantizing store: latent rows [N, C + P] (fp32 or bf16),
+//   each token's c_kv part (the first C values) and k_pe part with a scale of its own (amax / 448, 1 for a
+//   part of zeros) written beside it. Bit for bit what kernels/kv_fp8.quantize_latent and two row stores
+//   give for finite latents (the same division, the same rounding: fp8_e4m3.h). In torch that was a dozen
+//   ops and two index copies per layer and step, which left an eager step with an fp8 cache ~15% slower
+//   than one with a float cache on a small model.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "fp8_e4m3.h"
 #include "simd.h"
@@ -46,6 +50,28 @@ void quantize_part(const float* x, int64_t n, float scale, uint8_t* out) {
 }
 
 }  // namespace
+
+// index_copy_ on a view of the layer cost ~16 us a call for a decode step's few rows; in a compiled step
+// its Python implementation would be the one Python call left between the graph's ops.
+void store_rows_cpu(torch::Tensor pool, int64_t layer, torch::Tensor slots, torch::Tensor rows) {
+  TORCH_CHECK(pool.is_contiguous() && pool.dim() == 4 && 0 <= layer && layer < pool.size(0),
+              "store_rows: pool must be contiguous [layers, blocks, block_size, W] and layer in range");
+  const int64_t width = pool.size(3);
+  const int64_t layer_slots = pool.size(1) * pool.size(2);
+  const auto src = rows.contiguous();
+  const auto ids = slots.to(torch::kLong).contiguous();
+  TORCH_CHECK(src.dim() == 2 && src.size(1) == width && src.element_size() == pool.element_size() &&
+                  src.is_floating_point() == pool.is_floating_point() && ids.numel() == src.size(0),
+              "store_rows: rows must be [len(slots), ", width, "] of the pool's dtype");
+  const int64_t row_bytes = width * pool.element_size();
+  const int64_t* slot = ids.data_ptr<int64_t>();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(pool.data_ptr()) + layer * layer_slots * row_bytes;
+  for (int64_t t = 0; t < src.size(0); ++t) {
+    TORCH_CHECK(0 <= slot[t] && slot[t] < layer_slots, "store_rows: slot ", slot[t], " out of range");
+    std::memcpy(to + slot[t] * row_bytes, from + t * row_bytes, row_bytes);
+  }
+}
 
 void store_fp8_latent_cpu(torch::Tensor pool, torch::Tensor scales, int64_t layer, torch::Tensor slots,
                           torch::Tensor latent, int64_t c_dim) {

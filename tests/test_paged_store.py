@@ -1,5 +1,6 @@
-"""The FP8 latent cache's quantizing store (csrc/kv_fp8_store_cpu.cpp) against its torch reference,
-`kv_fp8.quantize_latent` and two row stores: the same bytes and scales, bit for bit."""
+"""The C++ stores into a paged cache pool (csrc/paged_store_cpu.cpp) against their torch references: the
+row store against index_copy_, the FP8 latent cache's quantizing store against `kv_fp8.quantize_latent`
+and two row stores. The same bytes and scales, bit for bit."""
 
 from __future__ import annotations
 
@@ -26,8 +27,20 @@ def _pools(layers: int, blocks: int, block_size: int, width: int) -> tuple[Tenso
 
 def _reference_store(pool: Tensor, scales: Tensor, layer: int, slots: Tensor, latent: Tensor, c_dim: int):
     values, token_scales = quantize_latent(latent, c_dim)
-    paged_store.store_rows(pool, layer, slots, values)
-    paged_store.store_rows(scales, layer, slots, token_scales)
+    paged_store._store(pool, layer, slots, values)
+    paged_store._store(scales, layer, slots, token_scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, FP8])
+def test_the_cpu_row_store_writes_what_index_copy_writes(dtype):
+    g = torch.Generator().manual_seed(0)
+    got = torch.randn(3, 5, 4, 24, generator=g).to(dtype)
+    want = got.clone()
+    slots = torch.randperm(20, generator=g)[:7]
+    rows = torch.randn(7, 24, generator=g).to(dtype)
+    cpu_kernel("store_rows_cpu")(got, 2, slots, rows)
+    paged_store._store(want, 2, slots, rows)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -73,12 +86,11 @@ def test_every_code_midpoint_and_neighbour_rounds_as_torch_rounds():
     assert torch.equal(pool.view(rows, width).view(torch.uint8), latent.to(FP8).view(torch.uint8))
 
 
-def test_the_caches_store_takes_the_kernel_on_the_cpu(monkeypatch):
+def test_the_caches_stores_take_the_kernels_on_the_cpu(monkeypatch):
     tiny = load_args(REPO / "configs/models/tiny-v3.json")
     args = dataclasses.replace(tiny, kv_lora_rank=40, qk_rope_head_dim=8, num_hidden_layers=1)
     calls = []
-    kernel = cpu_kernel("store_fp8_latent_cpu")
-    monkeypatch.setattr(paged_store, "cpu_kernel", lambda name: lambda *a: calls.append(name) or kernel(*a))
+    monkeypatch.setattr(paged_store, "cpu_kernel", lambda name: calls.append(name) or cpu_kernel(name))
     cache = PagedLatentCache(args, num_blocks=4, block_size=4, fp8=True)
     latent = torch.randn(5, 48)
     cache.store(0, torch.arange(5), latent)
@@ -89,6 +101,10 @@ def test_the_caches_store_takes_the_kernel_on_the_cpu(monkeypatch):
         cache.pool[0].view(-1, 48)[:5].view(torch.uint8), want[0].view(-1, 48)[:5].view(torch.uint8)
     )
     assert torch.equal(cache.scales[0].view(-1, 2)[:5], want_scales[0].view(-1, 2)[:5])
+    cache = PagedLatentCache(args, num_blocks=4, block_size=4)
+    cache.store(0, torch.arange(5), latent)
+    assert calls[1:] == ["store_rows_cpu"]
+    assert torch.equal(cache.pool[0].view(-1, 48)[:5], latent)
 
 
 @pytest.mark.parametrize(
@@ -101,8 +117,23 @@ def test_the_caches_store_takes_the_kernel_on_the_cpu(monkeypatch):
         (dict(layer=1), "layer"),
     ],
 )
-def test_bad_arguments_are_refused(change, named):
+def test_bad_arguments_to_the_fp8_store_are_refused(change, named):
     pool, scales = _pools(1, 2, 4, 48)
     args = dict(pool=pool, scales=scales, layer=0, slots=torch.arange(3), latent=torch.zeros(3, 48), c_dim=40)
     with pytest.raises(RuntimeError, match=named):
         cpu_kernel("store_fp8_latent_cpu")(*(args | change).values())
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (dict(rows=torch.zeros(3, 40)), "rows"),
+        (dict(rows=torch.zeros(3, 48, dtype=torch.float64)), "rows"),
+        (dict(slots=torch.tensor([0, 1, 8])), "out of range"),
+        (dict(layer=2), "layer"),
+    ],
+)
+def test_bad_arguments_to_the_row_store_are_refused(change, named):
+    args = dict(pool=torch.zeros(2, 2, 4, 48), layer=0, slots=torch.arange(3), rows=torch.zeros(3, 48))
+    with pytest.raises(RuntimeError, match=named):
+        cpu_kernel("store_rows_cpu")(*(args | change).values())
