@@ -8,7 +8,10 @@
   against the zero-padded batched GEMM (`MoE.run_stacked`'s arithmetic); its SiLU-gated form
   (`gated=True`, the gating in its epilogue) against the product followed by `silu_mul`;
 - paged MLA decode: the C++ kernel against the torch reference (8 heads, 512 + 64 latent, blocks of
-  16, 290 cached tokens per row).
+  16, 290 cached tokens per row);
+- paged cache stores of 512 + 64 latents: the FP8 cache's quantizing store against `quantize_latent` and
+  two index copies, the row store of a bf16 cache against index_copy_ (one layer; warm pools, as a step's
+  writes are).
 
 Weights and caches are "cold": each timing walks through enough copies (over 100 MB) that none is in
 the CPU cache when its turn comes, as in a decode step that streams the whole model. Each figure is
@@ -26,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from moelaunch import kernels
-from moelaunch.kernels import mla_decode_reference
+from moelaunch.kernels import mla_decode_reference, paged_store
+from moelaunch.kernels.cpu_ops import cpu_kernel
 
 COLD_BYTES = 100 * 2**20
 
@@ -114,6 +118,44 @@ def decode(repeats: int) -> list[dict]:
     return results
 
 
+def _store_times(rows: int, repeats: int) -> dict:
+    c_dim, width, block = 512, 576, 16
+    blocks = -(-rows // block) + 1
+    fp8_pool = torch.zeros(1, blocks, block, width, dtype=kernels.FP8_KV_DTYPE)
+    scales = torch.zeros(1, blocks, block, 2)
+    bf16_pool = torch.zeros(1, blocks, block, width, dtype=torch.bfloat16)
+    slots = torch.randperm(blocks * block)[:rows]
+    latent = [torch.randn(rows, width)]
+
+    def fp8_torch(x: torch.Tensor) -> None:
+        values, token_scales = kernels.quantize_latent(x, c_dim)
+        paged_store._store(fp8_pool, 0, slots, values)
+        paged_store._store(scales, 0, slots, token_scales)
+
+    def fp8_kernel(x: torch.Tensor) -> None:
+        kernels.store_fp8_latent(fp8_pool, scales, 0, slots, x, c_dim)
+
+    def row_torch(x: torch.Tensor) -> None:
+        paged_store._store(bf16_pool, 0, slots, x)
+
+    def row_kernel(x: torch.Tensor) -> None:
+        cpu_kernel("store_rows_cpu")(bf16_pool, 0, slots, x)
+
+    bf16_rows = [latent[0].bfloat16()]
+    return {
+        "rows": rows,
+        "fp8_torch_ms": _best_ms(fp8_torch, latent, repeats),
+        "fp8_kernel_ms": _best_ms(fp8_kernel, latent, repeats),
+        "row_index_copy_ms": _best_ms(row_torch, bf16_rows, repeats),
+        "row_kernel_ms": _best_ms(row_kernel, bf16_rows, repeats),
+    }
+
+
+def cache_stores(repeats: int) -> list[dict]:
+    # Decode at batch 1 and 8; a batch-8 prompt step of 256 tokens.
+    return [_store_times(rows, repeats) for rows in (1, 8, 2048)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -129,6 +171,7 @@ def main() -> None:
             "linear": linear_rows(opts.repeats),
             "experts": experts(opts.repeats),
             "decode": decode(opts.repeats),
+            "stores": cache_stores(opts.repeats),
         }
     print("few-row linear, cold weights (ms; GB/s of weight streamed)")
     for r in report["linear"]:
@@ -147,6 +190,12 @@ def main() -> None:
     print("paged MLA decode, one layer, cold cache (ms)")
     for r in report["decode"]:
         print(f"  rows={r['rows']:3d}  reference {r['reference_ms']:8.3f}  kernel {r['kernel_ms']:7.3f}")
+    print("paged cache stores, one layer, 512 + 64 latents (ms)")
+    for r in report["stores"]:
+        print(
+            f"  rows={r['rows']:5d}  fp8: torch {r['fp8_torch_ms']:7.4f}  kernel {r['fp8_kernel_ms']:7.4f}  "
+            f"bf16 rows: index_copy_ {r['row_index_copy_ms']:7.4f}  kernel {r['row_kernel_ms']:7.4f}"
+        )
     print(json.dumps(report))
 
 
