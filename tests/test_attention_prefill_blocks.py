@@ -133,12 +133,15 @@ def test_windowed_chunked_prefill_equals_the_absorbed_masked_path(tiny, monkeypa
     assert (naive - tiny(ids)).abs().max().item() > 1e-3  # the window did change the result
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_prompts_prefilled_together_take_their_keys_from_one_product(tmp_path_factory, monkeypatch, dtype):
+@pytest.mark.parametrize(("dtype", "fp8"), [("float32", False), ("bfloat16", False), ("float32", True)])
+def test_prompts_prefilled_together_take_their_keys_from_one_product(
+    tmp_path_factory, monkeypatch, dtype, fp8
+):
     """Several prompt chunks in one step take their own keys and values from one kv_b product over
-    every row (rounded to the cache's dtype first: a bf16 cache under fp32 rows), instead of each chunk
-    expanding its own latents read back from the cache: the same logits, for first chunks and for chunks
-    after a cached prefix; in fp32 also those of each prompt alone."""
+    every row (rounded to the cache's dtype first: a bf16 cache under fp32 rows; an fp8 cache's rows read
+    back from their slots), instead of each chunk expanding its own latents read back from the cache: the
+    same logits, for first chunks and for chunks after a cached prefix; in fp32 also those of each prompt
+    alone."""
     path = make_hf_model(tmp_path_factory.mktemp(f"tiny-{dtype}"))
     model = load_model(WeightSpec(str(path), dtype=dtype))
     ids = torch.randint(2, 320, (3, 60), generator=torch.Generator().manual_seed(2))
@@ -149,11 +152,13 @@ def test_prompts_prefilled_together_take_their_keys_from_one_product(tmp_path_fa
         "_own_keys_values",
         lambda self, kv, *a: products.append(len(kv)) or own_keys_values(self, kv, *a),
     )
-    together = _chunked(model, ids, [25, 35], model.new_paged_cache(3, 60))
+    together = _chunked(model, ids, [25, 35], model.new_paged_cache(3, 60, fp8=fp8))
     assert products == [75] * 3 + [105] * 3  # both steps, every layer
     monkeypatch.setattr(MLA, "_own_keys_values", lambda *a: None)  # each chunk on its own again
-    per_chunk = _chunked(model, ids, [25, 35], model.new_paged_cache(3, 60))
+    per_chunk = _chunked(model, ids, [25, 35], model.new_paged_cache(3, 60, fp8=fp8))
     assert (together - per_chunk).abs().max().item() <= 1e-4
     if dtype == "float32":
-        alone = [_chunked(model, ids[i : i + 1], [25, 35], model.new_paged_cache(1, 60)) for i in range(3)]
+        alone = [
+            _chunked(model, ids[i : i + 1], [25, 35], model.new_paged_cache(1, 60, fp8=fp8)) for i in range(3)
+        ]
         assert (together - torch.cat(alone)).abs().max().item() <= 1e-4

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from moelaunch.kernels import paged_store, quantize_latent
+from moelaunch.kernels import dequantize_latent, paged_store, quantize_latent
 from moelaunch.kernels.cpu_ops import cpu_kernel
 from moelaunch.model import PagedLatentCache, load_args
 
@@ -105,6 +105,22 @@ def test_the_caches_stores_take_the_kernels_on_the_cpu(monkeypatch):
     cache.store(0, torch.arange(5), latent)
     assert calls[1:] == ["store_rows_cpu"]
     assert torch.equal(cache.pool[0].view(-1, 48)[:5], latent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("c_dim", "p_dim"), [(512, 64), (37, 11)])
+def test_the_cpu_read_of_an_fp8_cache_equals_the_reference(dtype, c_dim, p_dim):
+    """Every code (NaN aside) times scales of many sizes, in both widths of the vector loop and its tail."""
+    g = torch.Generator().manual_seed(c_dim)
+    tokens = 40
+    codes = torch.randint(0, 0x7F, (tokens, c_dim + p_dim), generator=g, dtype=torch.uint8)
+    codes |= torch.randint(0, 2, codes.shape, generator=g, dtype=torch.uint8) << 7  # both signs
+    codes.view(-1)[:0x7F] = torch.arange(0x7F, dtype=torch.uint8)
+    values = codes.view(FP8).view(4, 10, -1)  # any leading shape
+    scales = torch.rand(4, 10, 2, generator=g) * torch.logspace(-8, 4, 40).view(4, 10, 1)
+    got = cpu_kernel("dequantize_latent_cpu")(values, scales, c_dim, dtype == torch.bfloat16)
+    assert got.dtype == dtype and got.shape == values.shape
+    assert torch.equal(got, dequantize_latent(values, scales, c_dim, dtype))
 
 
 @pytest.mark.parametrize(

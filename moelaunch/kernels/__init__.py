@@ -51,7 +51,7 @@ from moelaunch.kernels.int_dispatch import (
 )
 from moelaunch.kernels.kv_fp8 import FP8_KV_DTYPE, SCALES_PER_TOKEN, dequantize_latent, quantize_latent
 from moelaunch.kernels.moe_grouped import moe_experts, moe_grouped_gemm
-from moelaunch.kernels.paged_store import store_fp8_latent, store_rows
+from moelaunch.kernels.paged_store import read_fp8_latent, store_fp8_latent, store_rows
 from moelaunch.kernels.row_reductions import row_argmax, row_argmax_and_finite, rows_finite
 from moelaunch.kernels.selection import (
     amx_tiles_fit,
@@ -105,6 +105,7 @@ __all__ = [
     "rms_norm",
     "rotate_tail",
     "silu_mul",
+    "read_fp8_latent",
     "store_fp8_latent",
     "store_rows",
     "use_triton",

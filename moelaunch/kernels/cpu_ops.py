@@ -189,3 +189,8 @@ def _(logits: Tensor) -> tuple[Tensor, Tensor]:
 )
 def _(pool, scales, layer, slots, latent, c_dim) -> None:
     return None
+
+
+@_kernel_op("dequantize_latent_cpu(Tensor values, Tensor scales, int c_dim, bool bf16) -> Tensor")
+def _(values, scales, c_dim, bf16) -> Tensor:
+    return values.new_empty(values.shape, dtype=torch.bfloat16 if bf16 else torch.float32)

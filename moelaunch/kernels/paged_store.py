@@ -1,5 +1,5 @@
-"""Writing tokens' rows into one layer of a paged cache pool, as a custom op that mutates the pool; and
-the FP8 latent cache's quantizing write (`store_fp8_latent`).
+"""Writing tokens' rows into one layer of a paged cache pool, as a custom op that mutates the pool; the
+FP8 latent cache's quantizing write (`store_fp8_latent`) and its read back (`read_fp8_latent`).
 
 As plain `pool[layer].view(-1, W).index_copy_(...)` inside a compiled step, the write to a view of a
 graph input is functionalized into a copy of the whole layer's pool, twice per layer; as an op that
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from moelaunch.kernels.cpu_ops import cpu_kernel, traced
-from moelaunch.kernels.kv_fp8 import quantize_latent
+from moelaunch.kernels.kv_fp8 import dequantize_latent, quantize_latent
 from moelaunch.kernels.selection import cache_store_on_cpu
 
 
@@ -59,3 +59,11 @@ def store_fp8_latent(
     values, token_scales = quantize_latent(latent, c_dim)
     store_rows(pool, layer, slots, values)
     store_rows(scales, layer, slots, token_scales)
+
+
+def read_fp8_latent(values: Tensor, scales: Tensor, c_dim: int, dtype: torch.dtype) -> Tensor:
+    """`kv_fp8.dequantize_latent`: codes [..., C + P] and their scales [..., 2] as values in dtype, in
+    C++ on the CPU (fp32 or bf16), else in torch."""
+    if dtype in (torch.float32, torch.bfloat16) and cache_store_on_cpu(values):
+        return cpu_kernel("dequantize_latent_cpu")(values, scales, c_dim, dtype == torch.bfloat16)
+    return dequantize_latent(values, scales, c_dim, dtype)

@@ -142,7 +142,8 @@ def _cpu_kernel_takes(*fp32: Tensor, weight: Tensor | None = None) -> bool:
 
 
 def cache_store_on_cpu(pool: Tensor) -> bool:
-    """Whether the C++ stores write into a paged cache pool: one in CPU memory, the kernels built."""
+    """Whether the C++ stores write into (and the fp8 reads read from) a paged cache pool: one in CPU
+    memory, the kernels built."""
     return pool.device.type == "cpu" and prepare_cpu_kernels()
 
 

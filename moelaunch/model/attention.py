@@ -146,7 +146,7 @@ class MLA(nn.Module):
         skip = set(decodes.spans) if decodes is not None else set()
         prompts = sum(span.length > 1 for i, span in enumerate(layout.spans) if i not in skip)
         # Several prompt chunks: every row's own keys and values from one kv_b GEMM, not one per chunk.
-        own = self._own_keys_values(kv, k_pe, cache) if prompts > 1 and impl != "absorbed" else None
+        own = self._own_keys_values(kv, k_pe, layout, layer) if prompts > 1 and impl != "absorbed" else None
         for i, span in enumerate(layout.spans):
             if i in skip:
                 continue
@@ -244,13 +244,18 @@ class MLA(nn.Module):
         )
         return out.transpose(0, 1)
 
-    def _own_keys_values(self, kv, k_pe, cache) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _own_keys_values(
+        self, kv, k_pe, layout: BatchLayout, layer: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head keys and values of every row from its own latents as the cache holds them (a bf16
-        cache under fp32 rows: rounded alike); None for an fp8 cache, read back chunk by chunk."""
+        cache under fp32 rows: rounded alike; an fp8 cache: read back from the rows' slots, as decode
+        will see them)."""
+        cache = layout.cache
         if cache is not None and cache.pool.dtype != kv.dtype:
             if cache.scales is not None:
-                return None
-            kv, k_pe = kv.to(cache.dtype), k_pe.to(cache.dtype)
+                kv, k_pe = cache.read_slots(layer, layout.slots)
+            else:
+                kv, k_pe = kv.to(cache.dtype), k_pe.to(cache.dtype)
         return self._keys_values(kv, k_pe)
 
     def _prefill(self, q, kv, k_pe, layout: BatchLayout, index: int, layer: int, own=None) -> torch.Tensor:

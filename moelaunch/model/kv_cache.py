@@ -135,9 +135,22 @@ class PagedLatentCache:
         """Blocks of layer slot i as values: [len(blocks), rows of block_size, C + P] in dtype."""
         if self.scales is None:
             return self.pool[i, blocks, rows].to(dtype)
-        return kernels.dequantize_latent(
+        return kernels.read_fp8_latent(
             self.pool[i, blocks, rows], self.scales[i, blocks, rows], self.kv_rank, dtype
         )
+
+    def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens stored at flat slots (as `store` takes them) as (kv [N, C], pe [N, P]) in
+        self.dtype: what `gather` reads for them."""
+        i, width = self.slot_of_layer[layer], self.pool.shape[-1]
+        codes = self.pool[i].view(-1, width)[slots]
+        if self.scales is None:
+            latent = codes.to(self.dtype)
+        else:
+            latent = kernels.read_fp8_latent(
+                codes, self.scales[i].view(-1, 2)[slots], self.kv_rank, self.dtype
+            )
+        return latent[:, : self.kv_rank], latent[:, self.kv_rank :]
 
     def gather(
         self, layer: int, block_row: torch.Tensor, length: int, start: int = 0

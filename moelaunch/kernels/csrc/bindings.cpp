@@ -42,6 +42,7 @@ std::vector<torch::Tensor> argmax_rows_cpu(torch::Tensor logits);
 void store_fp8_latent_cpu(torch::Tensor pool, torch::Tensor scales, int64_t layer, torch::Tensor slots,
                           torch::Tensor latent, int64_t c_dim);
 void store_rows_cpu(torch::Tensor pool, int64_t layer, torch::Tensor slots, torch::Tensor rows);
+torch::Tensor dequantize_latent_cpu(torch::Tensor values, torch::Tensor scales, int64_t c_dim, bool bf16);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL (their arguments are converted before, their results after): a
@@ -87,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_rows_cpu", &store_rows_cpu, kRelease, "in place: rows into one layer of a paged pool at flat slots");
   m.def("store_fp8_latent_cpu", &store_fp8_latent_cpu, kRelease,
         "in place: latent rows quantized to e4m3, a scale per part, into one layer of an fp8 paged pool");
+  m.def("dequantize_latent_cpu", &dequantize_latent_cpu, kRelease,
+        "an fp8 cache's tokens read back: codes times their part's scale, in fp32 or bf16");
 }
 
 namespace {
@@ -132,5 +135,6 @@ TORCH_LIBRARY_IMPL(moelaunch, CPU, m) {
   m.impl("w8a8_linear_cpu", &w8a8_linear_cpu);
   m.impl("store_rows", &store_rows_cpu);
   m.impl("store_fp8_latent_cpu", &store_fp8_latent_cpu);
+  m.impl("dequantize_latent_cpu", &dequantize_latent_cpu);
   m.impl("argmax_rows_cpu", [](torch::Tensor logits) { return as_pair(argmax_rows_cpu(logits)); });
 }

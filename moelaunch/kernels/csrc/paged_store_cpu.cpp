@@ -6,7 +6,10 @@
 //   part of zeros) written beside it. Bit for bit what kernels/kv_fp8.quantize_latent and two row stores
 //   give for finite latents (the same division, the same rounding: fp8_e4m3.h). In torch that was a dozen
 //   ops and two index copies per layer and step, which left an eager step with an fp8 cache ~15% slower
-//   than one with a float cache on a small model.
+//   than one with a float cache on a small model;
+// and reading an FP8 cache's tokens back (dequantize_latent_cpu: codes times their part's scale, fp32 or
+// bf16, as kernels/kv_fp8.dequantize_latent computes them), where torch's fp8 -> fp32 conversion alone
+// took a fifth of a prompt step.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -107,4 +110,27 @@ void store_fp8_latent_cpu(torch::Tensor pool, torch::Tensor scales, int64_t laye
       quantize_part(row + c_dim, width - c_dim, scale[1], out + c_dim);
     }
   });
+}
+
+torch::Tensor dequantize_latent_cpu(torch::Tensor values, torch::Tensor scales, int64_t c_dim, bool bf16) {
+  TORCH_CHECK(values.scalar_type() == at::ScalarType::Float8_e4m3fn && values.dim() >= 1,
+              "dequantize_latent_cpu: values must be float8_e4m3fn [..., W]");
+  const int64_t width = values.size(-1);
+  const int64_t tokens = width > 0 ? values.numel() / width : 0;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.numel() == 2 * tokens && 0 < c_dim && c_dim < width,
+              "dequantize_latent_cpu: scales must be fp32 [..., 2] and 0 < c_dim < W");
+  const auto codes = values.contiguous();
+  const auto token_scales = scales.contiguous();
+  auto out = torch::empty(values.sizes(), values.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat));
+  const uint8_t* in = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* scale = token_scales.data_ptr<float>();
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    const int64_t at = begin * width;
+    if (bf16)
+      fp8::dequantize_tokens(in + at, scale + 2 * begin, end - begin, width, c_dim,
+                             out.data_ptr<c10::BFloat16>() + at);
+    else
+      fp8::dequantize_tokens(in + at, scale + 2 * begin, end - begin, width, c_dim, out.data_ptr<float>() + at);
+  });
+  return out;
 }
