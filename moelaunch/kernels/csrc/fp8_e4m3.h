@@ -18,17 +18,11 @@
 
 namespace moelaunch::fp8 {
 
-// The bits of (the float of `bits`) + addend: one lane, or eight.
-inline uint32_t add_as_float(uint32_t bits, float addend) {
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  f += addend;
-  std::memcpy(&bits, &f, sizeof f);
-  return bits;
-}
-
-inline u32x8 add_as_float(u32x8 bits, float addend) {
-  vec8 f;
+// The bits of (the floats of `bits`) + addend; U holds the bits of F (uint32_t of float, u32x8 of vec8).
+template <typename F, typename U>
+inline U add_as_float(U bits, float addend) {
+  static_assert(sizeof(F) == sizeof(U));
+  F f;
   std::memcpy(&f, &bits, sizeof f);
   f += addend;
   std::memcpy(&bits, &f, sizeof f);
@@ -38,8 +32,8 @@ inline u32x8 add_as_float(u32x8 bits, float addend) {
 // fp32 -> e4m3fn as torch's conversion does it (c10's fp8e4m3fn_from_fp32_value), lane by lane without
 // branches: nearest even; below 2^-6 a subnormal, rounded by adding 2^14 (whose ulp is e4m3's subnormal
 // step, 2^-9: the float sum rounds to that step); finite values from 480 up saturate to 448, NaN stays
-// NaN. U is uint32_t or u32x8 (the bits of the floats).
-template <typename U>
+// NaN. F is float or vec8, U its bits.
+template <typename F, typename U>
 inline U from_float_bits(U bits) {
   constexpr uint32_t kFirstOutOfRange = 1087u << 20;  // 480.0f
   constexpr uint32_t kSubnormalMagic = 141u << 23;    // 2^14
@@ -47,7 +41,7 @@ inline U from_float_bits(U bits) {
   const U magnitude = bits ^ sign;
   // Normal: re-bias the exponent (127 -> 7), round the mantissa to 3 bits, nearest even.
   const U normal = (magnitude + ((7u - 127u) << 23) + 0x7ffffu + ((magnitude >> 20) & 1u)) >> 20;
-  const U subnormal = add_as_float(magnitude, 0x1p14f) - kSubnormalMagic;
+  const U subnormal = add_as_float<F>(magnitude, 0x1p14f) - kSubnormalMagic;
   U code = magnitude < (121u << 23) ? subnormal : normal;
   code = magnitude >= kFirstOutOfRange ? (magnitude > 0x7f800000u ? U{} + 0x7fu : U{} + 0x7eu) : code;
   return code | (sign >> 24);
@@ -56,14 +50,14 @@ inline U from_float_bits(U bits) {
 inline uint8_t from_float(float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
-  return static_cast<uint8_t>(from_float_bits(bits));
+  return static_cast<uint8_t>(from_float_bits<float>(bits));
 }
 
 // Eight values at once into out[0..7].
 inline void from_float8(vec8 x, uint8_t* out) {
   u32x8 bits;
   std::memcpy(&bits, &x, sizeof bits);
-  const u32x8 codes = from_float_bits(bits);
+  const u32x8 codes = from_float_bits<vec8>(bits);
   for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(codes[i]);
 }
 
