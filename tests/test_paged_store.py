@@ -145,6 +145,7 @@ def test_bad_arguments_to_the_fp8_store_are_refused(change, named):
     [
         (dict(rows=torch.zeros(3, 40)), "rows"),
         (dict(rows=torch.zeros(3, 48, dtype=torch.float64)), "rows"),
+        (dict(rows=torch.zeros(3, 48, dtype=torch.int32)), "rows"),  # fp32's size, not its dtype
         (dict(slots=torch.tensor([0, 1, 8])), "out of range"),
         (dict(layer=2), "layer"),
     ],

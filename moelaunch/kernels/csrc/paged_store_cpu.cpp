@@ -63,8 +63,8 @@ void store_rows_cpu(torch::Tensor pool, int64_t layer, torch::Tensor slots, torc
   const int64_t layer_slots = pool.size(1) * pool.size(2);
   const auto src = rows.contiguous();
   const auto ids = slots.to(torch::kLong).contiguous();
-  TORCH_CHECK(src.dim() == 2 && src.size(1) == width && src.element_size() == pool.element_size() &&
-                  src.is_floating_point() == pool.is_floating_point() && ids.numel() == src.size(0),
+  TORCH_CHECK(src.dim() == 2 && src.size(1) == width && src.scalar_type() == pool.scalar_type() &&
+                  ids.numel() == src.size(0),
               "store_rows: rows must be [len(slots), ", width, "] of the pool's dtype");
   const int64_t row_bytes = width * pool.element_size();
   const int64_t* slot = ids.data_ptr<int64_t>();
