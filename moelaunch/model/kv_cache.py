@@ -133,23 +133,21 @@ class PagedLatentCache:
         self, i: int, blocks: torch.Tensor, dtype: torch.dtype, rows: slice = slice(None)
     ) -> torch.Tensor:
         """Blocks of layer slot i as values: [len(blocks), rows of block_size, C + P] in dtype."""
-        if self.scales is None:
-            return self.pool[i, blocks, rows].to(dtype)
-        return kernels.read_fp8_latent(
-            self.pool[i, blocks, rows], self.scales[i, blocks, rows], self.kv_rank, dtype
-        )
+        scales = self.scales[i, blocks, rows] if self.scales is not None else None
+        return self._values(self.pool[i, blocks, rows], scales, dtype)
+
+    def _values(self, stored: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows [..., C + P] as values in dtype: an fp8 pool's codes times their scales."""
+        if scales is None:
+            return stored.to(dtype)
+        return kernels.read_fp8_latent(stored, scales, self.kv_rank, dtype)
 
     def read_slots(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens stored at flat slots (as `store` takes them) as (kv [N, C], pe [N, P]) in
         self.dtype: what `gather` reads for them."""
         i, width = self.slot_of_layer[layer], self.pool.shape[-1]
-        codes = self.pool[i].view(-1, width)[slots]
-        if self.scales is None:
-            latent = codes.to(self.dtype)
-        else:
-            latent = kernels.read_fp8_latent(
-                codes, self.scales[i].view(-1, 2)[slots], self.kv_rank, self.dtype
-            )
+        scales = self.scales[i].view(-1, 2)[slots] if self.scales is not None else None
+        latent = self._values(self.pool[i].view(-1, width)[slots], scales, self.dtype)
         return latent[:, : self.kv_rank], latent[:, self.kv_rank :]
 
     def gather(
